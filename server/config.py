@@ -1,0 +1,138 @@
+"""The one typed configuration tree, built once from CLI flags and environment variables.
+
+This is the only module that reads ``os.environ``; everything else receives the sub-config
+it needs. Flag names follow ``vllm serve`` and environment knobs keep vLLM's names, so an
+existing deployment's settings carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOptions:
+    """Which weights to serve and how to hold them."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache geometry and budget."""
+
+    block_size: int = 128
+    gpu_memory_utilization: float = 0.9
+    # CPU has no "free device memory" to take a fraction of: an explicit bound instead.
+    cpu_kvcache_space_bytes: int = 4 * GiB
+    num_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise ValueError("--num-gpu-blocks-override must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Batch limits. ``None`` fields are derived from the model once it is loaded."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    device: str = "auto"  # auto | hpu | cuda | cpu
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs; built once and passed down."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The ``vllm serve`` engine flags this daemon understands."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF folder or .gguf file; default: embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--chat-template", default=None, help="Jinja template or a file with one")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--device", default="auto", choices=["auto", "hpu", "cuda", "cpu"])
+    parser.add_argument("--enforce-eager", action="store_true")
+
+
+def engine_config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> EngineConfig:
+    env = os.environ if environ is None else environ
+    kv_space_gib = float(env.get("VLLM_CPU_KVCACHE_SPACE", "4") or "4")
+    return EngineConfig(
+        model=ModelOptions(
+            model=args.model or args.model_flag,
+            dtype=args.dtype,
+            served_model_name=args.served_model_name,
+            chat_template=args.chat_template,
+            seed=args.seed,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            cpu_kvcache_space_bytes=int(kv_space_gib * GiB),
+            num_blocks_override=args.num_gpu_blocks_override,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        ),
+        device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager),
+    )
+
+
+def make_engine_config(**overrides: object) -> EngineConfig:
+    """Builds a config from ``vllm serve``-style keyword names (``max_num_seqs=8``...),
+    for the offline ``LLM`` class; unknown names are an error."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    args = parser.parse_args([])
+    known = vars(args)
+    for key, value in overrides.items():
+        if key not in known or key == "model_flag":
+            raise TypeError(f"unknown engine option {key!r}")
+        setattr(args, key, value)
+    return engine_config_from_args(args)

@@ -1,0 +1,1 @@
+"""Engine core: scheduling, paged KV bookkeeping, model running, sampling, outputs."""

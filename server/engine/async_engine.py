@@ -1,0 +1,168 @@
+"""Async front of the engine: the model runs on its own thread, asyncio never blocks on it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from server.config import EngineConfig
+from server.engine.errors import EngineDeadError, RequestError
+from server.engine.llm_engine import EngineStats, LLMEngine
+from server.engine.outputs import RequestOutput
+from server.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """Async iterator over one request's outputs; leaving it early aborts the request."""
+
+    request_id: str
+    _engine: AsyncEngine
+    _queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:  # the consumer went away (client disconnect, cancel)
+                self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs ``LLMEngine.step()`` in a background thread and fans outputs out to streams.
+
+    Commands (add / abort) cross into the engine thread through a queue; outputs come back
+    with ``loop.call_soon_threadsafe``. Tokenization and validation run in a worker thread
+    too, so a long prompt never stalls the event loop.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_reason: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer
+        return self.engine.tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Binds to the running event loop and starts the engine thread."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(("stop", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    async def submit(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> RequestStream:
+        """Validates (raising RequestError) and queues a request; iterate the result."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine is not running: {self.dead_reason!r}")
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        state = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params)
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._commands.put(("add", state))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its KV blocks (no-op if it already finished)."""
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._deliver(outputs)
+        except BaseException as exc:  # the loop must report, not vanish
+            logger.exception("engine loop died")
+            self.dead_reason = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                self._add(payload)
+            elif kind == "abort":
+                self.engine.abort_request(str(payload))
+
+    def _add(self, state: object) -> None:
+        try:
+            self.engine.enqueue(state)  # type: ignore[arg-type]
+        except RequestError as exc:
+            request_id = state.request_id  # type: ignore[attr-defined]
+            self._call_loop(self._push_error, request_id, exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._call_loop(self._push_outputs, outputs)
+
+    def _call_loop(self, fn, *args) -> None:  # noqa: ANN001
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _push_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream._queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _push_error(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._queue.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        def fail() -> None:
+            for request_id in list(self._streams):
+                self._push_error(request_id, exc)
+
+        self._call_loop(fail)

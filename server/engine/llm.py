@@ -1,0 +1,92 @@
+"""Offline batch API: ``LLM().generate(prompts, params)`` and ``LLM().chat(messages)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any, Union
+
+from server.config import make_engine_config
+from server.engine.llm_engine import LLMEngine
+from server.engine.outputs import RequestOutput
+from server.engine.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Loads a model once and runs batches of prompts through continuous batching.
+
+    ``LLM()`` serves the embedded SmolLM2-135M-Instruct; keyword options use ``vllm serve``'s
+    names (``max_num_seqs=32``, ``dtype="float32"``, ``block_size=16``...).
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(make_engine_config(model=model, **options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - server.engine.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in the order given."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        request_ids = []
+        for prompt, p in zip(prompt_list, params):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, p)
+            request_ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        finally:
+            for request_id in request_ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+        return [finished[r] for r in request_ids]
+
+    def chat(
+        self,
+        messages: Messages | Seq[Messages],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            self.tokenizer.encode_chat(list(conv), add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single prompt given as token ids
+    return items
+
+
+def _as_params_list(
+    params: SamplingParams | Seq[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    items = list(params)
+    if len(items) != count:
+        raise ValueError(f"{len(items)} sampling params for {count} prompts")
+    return items

@@ -1,0 +1,152 @@
+"""Turns a scheduled batch into padded device tensors, runs the model, samples.
+
+Inputs are laid out for static shapes from the start: a prefill batch is a right-padded
+``[bs, q]`` grid, a decode batch a flat block list of ``num_blocks`` entries; both can be
+padded further (``pad_to``) to a pre-planned bucket shape without changing any code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.outputs import TokenLogprob
+from server.engine.sampler import Sampler, SamplingTensors, to_token_logprobs
+from server.engine.sequence import ScheduledBatch, Sequence
+from server.hpu.attention import AttentionMetadata
+from server.models.llama import KVCache, LlamaForCausalLM
+
+# Additive mask value for unused slots of a block (finite: -inf - -inf would be NaN).
+_MASKED = -1e30
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """Device tensors for one forward pass, padded to ``(bs, q)`` / ``num_blocks``."""
+
+    input_ids: torch.Tensor  # [bs, q]
+    positions: torch.Tensor  # [bs, q]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_real_seqs] flat index of each row's last real token
+    num_seqs: int
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One sampled token per scheduled sequence, in batch order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class ModelRunner:
+    """Owns the model, its KV cache tensors and the sampler."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        block_size: int,
+        pad_block_id: int,
+        eos_token_ids: frozenset[int],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.pad_block_id = pad_block_id
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = model.config.vocab_size
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        seqs = batch.seqs
+        inputs = self.prepare_prefill(seqs) if batch.is_prefill else self.prepare_decode(seqs)
+        logits = self.forward(inputs)
+        sampling = SamplingTensors.build(seqs, self.vocab_size, self.eos_token_ids, self.device)
+        out = self.sampler(logits, sampling)
+        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, seqs))
+
+    def forward(self, inputs: ModelInput) -> torch.Tensor:
+        """Logits ``[num_real_seqs, vocab]`` (float32) of each sequence's last token."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.logits_indices)
+        return self.model.compute_logits(hidden)
+
+    def prepare_prefill(
+        self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
+    ) -> ModelInput:
+        """Every token of each sequence, right-padded into ``[bs, q]``."""
+        lens = [s.num_tokens for s in seqs]
+        bs, q = pad_to if pad_to is not None else (len(seqs), max(lens))
+        block = self.block_size
+        token_ids = torch.zeros(bs, q, dtype=torch.long)
+        block_tables = torch.full((bs, -(-q // block)), self.pad_block_id, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            token_ids[row, : lens[row]] = torch.tensor(seq.all_token_ids)
+            block_tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+        seq_lens = torch.zeros(bs, dtype=torch.long)
+        seq_lens[: len(seqs)] = torch.tensor(lens)
+        positions = torch.arange(q).expand(bs, q)
+        is_real = positions < seq_lens.unsqueeze(1)
+        slots = block_tables.gather(1, positions // block) * block + positions % block
+        pad_slots = self.pad_block_id * block + positions % block
+        slot_mapping = torch.where(is_real, slots, pad_slots).reshape(-1)
+        logits_indices = torch.arange(len(seqs)) * q + seq_lens[: len(seqs)] - 1
+        meta = AttentionMetadata(True, block, slot_mapping.to(self.device))
+        return ModelInput(
+            token_ids.to(self.device),
+            torch.where(is_real, positions, 0).to(self.device),
+            meta,
+            logits_indices.to(self.device),
+            len(seqs),
+        )
+
+    def prepare_decode(
+        self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
+    ) -> ModelInput:
+        """Each sequence's last token; its KV blocks flattened into one block list."""
+        block = self.block_size
+        positions = [s.num_tokens - 1 for s in seqs]
+        block_list = [b for s in seqs for b in s.block_table]
+        groups = [row for row, s in enumerate(seqs) for _ in s.block_table]
+        usage = []
+        for seq, pos in zip(seqs, positions):
+            usage += [block] * (len(seq.block_table) - 1) + [pos % block + 1]
+        bs, num_blocks = pad_to if pad_to is not None else (len(seqs), len(block_list))
+        pad_rows = bs - len(seqs)
+        pad_blocks = num_blocks - len(block_list)
+
+        token_ids = torch.tensor([s.last_token_id for s in seqs] + [0] * pad_rows)
+        pos_t = torch.tensor(positions + [0] * pad_rows)
+        slots = [s.block_table[p // block] * block + p % block for s, p in zip(seqs, positions)]
+        slots += [self.pad_block_id * block + i % block for i in range(pad_rows)]
+        block_list_t = torch.tensor(block_list + [self.pad_block_id] * pad_blocks)
+        groups_t = torch.tensor(groups + [bs] * pad_blocks)
+        usage_t = torch.tensor(usage + [1] * pad_blocks)
+        block_bias = torch.where(
+            torch.arange(block).unsqueeze(0) < usage_t.unsqueeze(1), 0.0, _MASKED
+        )
+        # One-hot rows; pad blocks map to the extra column bs, which is then dropped.
+        mapping = torch.nn.functional.one_hot(groups_t, bs + 1)[:, :bs].to(self.dtype)
+        dev = self.device
+        meta = AttentionMetadata(
+            False,
+            block,
+            torch.tensor(slots).to(dev),
+            block_list=block_list_t.to(dev),
+            block_groups=groups_t.to(dev),
+            block_mapping=mapping.to(dev),
+            block_bias=block_bias.to(dev),
+        )
+        return ModelInput(
+            token_ids.view(bs, 1).to(dev),
+            pos_t.view(bs, 1).to(dev),
+            meta,
+            torch.arange(len(seqs)).to(dev),
+            len(seqs),
+        )

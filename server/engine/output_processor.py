@@ -1,0 +1,150 @@
+"""After each step: append sampled tokens, detokenize, apply stop rules, build outputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.model_runner import ModelRunnerOutput
+from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import ScheduledBatch, Sequence
+from server.engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class RequestState:
+    """A request's sequences and the per-completion output being built."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    completions: list[CompletionOutput]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        """A snapshot: the engine keeps mutating its own objects on later steps."""
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids,
+            [_snapshot(c) for c in self.completions], self.finished, replace(self.metrics),
+        )
+
+    def clear_deltas(self) -> None:
+        for c in self.completions:
+            c.delta_text = ""
+            c.delta_token_ids = []
+            c.delta_logprobs = [] if c.logprobs is not None else None
+
+
+class OutputProcessor:
+    """Applies one step's sampled tokens to the requests and retires finished sequences."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+
+    def process(
+        self, batch: ScheduledBatch, result: ModelRunnerOutput, scheduler: Scheduler
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for seq, token_id, logprob in zip(batch.seqs, result.token_ids, result.logprobs):
+            state = self.requests[seq.request_id]
+            if seq.request_id not in touched:
+                state.clear_deltas()
+                touched[seq.request_id] = state
+                state.metrics.last_token_time = now
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+            self._append(state, seq, token_id, logprob)
+            if seq.finish_reason is not None:
+                scheduler.finish(seq)
+        outputs = []
+        for state in touched.values():
+            outputs.append(state.output())
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[state.request_id]
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Marks every unfinished completion of a request aborted; returns its last output."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        state.clear_deltas()
+        for completion in state.completions:
+            if not completion.finished:
+                completion.finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
+        return state.output()
+
+    def _append(
+        self, state: RequestState, seq: Sequence, token_id: int, logprob: TokenLogprob | None
+    ) -> None:
+        params = state.params
+        completion = state.completions[seq.index]
+        seq.output_token_ids.append(token_id)
+        completion.token_ids.append(token_id)
+        completion.delta_token_ids.append(token_id)
+        if logprob is not None and completion.logprobs is not None:
+            completion.logprobs.append(logprob)
+            assert completion.delta_logprobs is not None
+            completion.delta_logprobs.append(logprob)
+        detok = state.detokenizers[seq.index]
+        reason, stop_reason = self._stop_by_token(seq, token_id, params)
+        delta = ""
+        if reason is None:
+            # EOS / stop token ids never reach the text.
+            update = detok.update([token_id])
+            delta = update.delta_text
+            if update.stop_string is not None:
+                reason, stop_reason = "stop", update.stop_string
+        if reason is None and self._at_length_limit(seq, params):
+            reason = "length"
+        if reason is not None:
+            delta += detok.flush()  # text held back in case it began a stop string
+            seq.finish_reason = completion.finish_reason = reason
+            seq.stop_reason = completion.stop_reason = stop_reason
+        completion.delta_text += delta
+        completion.text += delta
+
+    def _stop_by_token(
+        self, seq: Sequence, token_id: int, params: SamplingParams
+    ) -> tuple[str | None, int | None]:
+        if seq.num_output_tokens < params.min_tokens:
+            return None, None
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop", None
+        if token_id in params.stop_token_ids:
+            return "stop", token_id
+        return None, None
+
+    def _at_length_limit(self, seq: Sequence, params: SamplingParams) -> bool:
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return True
+        return seq.num_tokens >= self.max_model_len
+
+
+def _snapshot(c: CompletionOutput) -> CompletionOutput:
+    return replace(
+        c,
+        token_ids=list(c.token_ids),
+        logprobs=list(c.logprobs) if c.logprobs is not None else None,
+        delta_token_ids=list(c.delta_token_ids),
+        delta_logprobs=list(c.delta_logprobs) if c.delta_logprobs is not None else None,
+    )

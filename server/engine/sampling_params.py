@@ -1,0 +1,91 @@
+"""Per-request generation settings, validated once at submission."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Largest top-k logprobs a request may ask for (OpenAI allows 20 on chat).
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    """How to pick tokens and when to stop, for one request.
+
+    Validation errors are pydantic ``ValidationError`` (a ``ValueError``) whose message names
+    the offending field, so both the offline API and the HTTP layer can report them as-is.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+
+    n: int = Field(1, ge=1, le=128, description="completions to generate per prompt")
+    max_tokens: int | None = Field(16, ge=1, description="None: up to the context length")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop conditions ignored before this")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 or 0 disables")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0 * 10)
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="None: no logprobs; k: sampled + top-k"
+    )
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, value: int) -> int:
+        if value < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value:
+            for token_id, bias in value.items():
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias for token {token_id} must be in [-100, 100]")
+        return value
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> SamplingParams:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)

@@ -1,0 +1,120 @@
+"""Continuous batching: FCFS admission, prefill and decode steps, preemption by recompute.
+
+Pure Python: it decides *which* sequences run; the model runner decides *how*.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from server.engine.block_manager import BlockManager
+from server.engine.sequence import ScheduledBatch, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    """Resolved batch limits (no ``None``: the model is known by now)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Scheduler:
+    """Keeps the waiting queue and the running set and plans one step at a time.
+
+    Policy (like vLLM's V0 default, which the Gaudi backend keeps): new prompts join between
+    steps as a prefill batch whenever they fit (sequence slots, token budget, free blocks);
+    otherwise every running sequence decodes one token. When a decode needs a block and none
+    is free, the newest running sequence is preempted: its blocks are freed and it goes back
+    to the head of the queue, to be recomputed from its tokens later.
+    """
+
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+        self.limits = limits
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch, or None when there is nothing to run."""
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def finish(self, seq: Sequence) -> None:
+        """Retires a sequence that ran (stopped or aborted): its blocks go back to the pool."""
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Removes every sequence of a request wherever it is; returns them."""
+        removed = [s for s in self.waiting if s.request_id == request_id]
+        removed += [s for s in self.running if s.request_id == request_id]
+        if removed:
+            self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+            for seq in removed:
+                self.finish(seq)
+        return removed
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        num_tokens = 0
+        while self.waiting and len(self.running) + len(seqs) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            if num_tokens + seq.num_tokens > self.limits.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(seq.num_tokens):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            seqs.append(seq)
+            num_tokens += seq.num_tokens
+        if not seqs:
+            return None
+        self.running.extend(seqs)
+        return ScheduledBatch("prefill", seqs)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if self.block_manager.can_append(seq):
+                self.block_manager.append_slot(seq)
+                i += 1
+                continue
+            victim = self.running.pop()  # newest first: it has the least work to redo
+            self._preempt(victim)
+            preempted.append(victim)
+        if not self.running:
+            return ScheduledBatch("decode", [], preempted) if preempted else None
+        return ScheduledBatch("decode", list(self.running), preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

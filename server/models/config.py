@@ -1,0 +1,93 @@
+"""Architecture hyper-parameters, read once from a Hugging Face config object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# model_type values that share the Llama decoder layout (RMSNorm, RoPE, SwiGLU, GQA).
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the decoder needs to build itself; nothing about serving."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    # torch dtype name from the checkpoint ("bfloat16", "float32"...), None if unknown
+    checkpoint_dtype: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        model_type = getattr(hf, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        rope_theta, rope_scaling = _rope_settings(hf)
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        is_qwen2 = model_type == "qwen2"
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o bias; Llama's flag covers all four.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) from either config generation.
+
+    transformers >= 5 folds both into ``rope_parameters``; older configs (and config.json
+    files written by them) carry ``rope_theta`` and ``rope_scaling``.
+    """
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        scaling = None if rope_type == "default" else dict(params, rope_type=rope_type)
+        return theta, scaling
+    theta = float(getattr(hf, "rope_theta", 10000.0))
+    scaling = getattr(hf, "rope_scaling", None)
+    if scaling:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling or None

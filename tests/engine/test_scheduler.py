@@ -1,0 +1,88 @@
+"""Scheduler policy on CPU with no model: fake one sampled token per step."""
+
+from server.engine.block_manager import BlockManager
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import Scheduler, SchedulerLimits
+from server.engine.sequence import Sequence, SequenceStatus
+
+
+def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8,
+                   max_batched: int = 64) -> Scheduler:
+    return Scheduler(SchedulerLimits(max_num_seqs, max_batched, 64), BlockManager(num_blocks, block_size))
+
+
+def make_seq(seq_id: int, num_tokens: int) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, [1] * num_tokens, SamplingParams(), float(seq_id))
+
+
+def fake_step(sched: Scheduler):
+    batch = sched.schedule()
+    if batch is not None:
+        for seq in batch.seqs:
+            seq.output_token_ids.append(7)
+    return batch
+
+
+def test_prefill_then_decode_and_new_prompts_join_between_steps() -> None:
+    sched = make_scheduler()
+    sched.add(make_seq(0, 5))
+    b = fake_step(sched)
+    assert b.phase == "prefill" and [s.seq_id for s in b.seqs] == [0]
+    b = fake_step(sched)
+    assert b.phase == "decode" and [s.seq_id for s in b.seqs] == [0]
+    sched.add(make_seq(1, 3))
+    b = fake_step(sched)
+    assert b.phase == "prefill" and [s.seq_id for s in b.seqs] == [1]
+    b = fake_step(sched)
+    assert b.phase == "decode" and [s.seq_id for s in b.seqs] == [0, 1]
+
+
+def test_fcfs_and_max_num_seqs() -> None:
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add(make_seq(i, 2))
+    b = fake_step(sched)
+    assert [s.seq_id for s in b.seqs] == [0, 1]
+    assert [s.seq_id for s in sched.waiting] == [2, 3]
+    sched.finish(b.seqs[0])
+    b = fake_step(sched)
+    assert b.phase == "prefill" and [s.seq_id for s in b.seqs] == [2]
+
+
+def test_token_budget_limits_prefill_batch() -> None:
+    sched = make_scheduler(max_batched=10)
+    for i in range(3):
+        sched.add(make_seq(i, 4))
+    b = fake_step(sched)
+    assert [s.seq_id for s in b.seqs] == [0, 1]  # 8 tokens; a third would make 12 > 10
+
+
+def test_preempts_newest_when_blocks_run_out_and_recomputes_later() -> None:
+    # 4 blocks of 2 tokens; two sequences of 4 tokens fill the cache.
+    sched = make_scheduler(num_blocks=4, block_size=2)
+    a, b = make_seq(0, 4), make_seq(1, 4)
+    sched.add(a)
+    sched.add(b)
+    batch = fake_step(sched)
+    assert batch.phase == "prefill" and sched.block_manager.num_free_blocks == 0
+    batch = fake_step(sched)  # both need a 3rd block for token index 4: b is preempted
+    assert batch.phase == "decode"
+    assert [s.seq_id for s in batch.seqs] == [0] and [s.seq_id for s in batch.preempted] == [1]
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_preemptions == 1
+    assert list(sched.waiting) == [b] and sched.num_preemptions == 1
+    sched.finish(a)
+    batch = fake_step(sched)  # b comes back as a prefill of prompt + generated tokens
+    assert batch.phase == "prefill" and batch.seqs == [b]
+    assert len(b.block_table) == 3  # 4 prompt tokens + 1 generated = 5 tokens
+
+
+def test_abort_frees_blocks_everywhere() -> None:
+    sched = make_scheduler()
+    running, waiting = make_seq(0, 6), make_seq(1, 6)
+    sched.add(running)
+    fake_step(sched)
+    sched.add(waiting)
+    assert sched.abort("r0") == [running]
+    assert sched.abort("r1") == [waiting]
+    assert sched.block_manager.num_free_blocks == 16
+    assert not sched.has_unfinished() and sched.abort("nope") == []
