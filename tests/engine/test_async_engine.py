@@ -1,0 +1,80 @@
+"""The async engine: streams, aborts, and an event loop that never blocks on the model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from server import SamplingParams
+from server.config import make_engine_config
+from server.engine.async_engine import AsyncEngine
+from server.engine.errors import RequestError
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_model):
+    return make_engine_config(model=tiny_model[0], dtype="float32", block_size=16)
+
+
+def test_streams_abort_and_loop_stays_responsive(engine_config) -> None:
+    async def main() -> None:
+        engine = AsyncEngine.from_config(engine_config)
+        engine.start()
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+        ticks = 0
+        longest_gap = 0.0
+
+        async def ticker() -> None:
+            nonlocal ticks, longest_gap
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                longest_gap = max(longest_gap, now - last)
+                last = now
+                ticks += 1
+
+        tick_task = asyncio.create_task(ticker())
+
+        async def collect(request_id: str) -> tuple[list[int], str, str]:
+            stream = await engine.submit(request_id, "the quick brown fox", params)
+            tokens: list[int] = []
+            text = ""
+            reason = ""
+            async for out in stream:
+                tokens += out.outputs[0].delta_token_ids
+                text += out.outputs[0].delta_text
+                reason = out.outputs[0].finish_reason or ""
+            return tokens, text, reason
+
+        results = await asyncio.gather(*(collect(f"r{i}") for i in range(6)))
+        for tokens, text, reason in results:
+            assert tokens == results[0][0] and len(tokens) == 40 and reason == "length"
+            assert text == engine.tokenizer.decode(tokens)
+
+        # leaving a stream early aborts the request and frees its blocks
+        stream = await engine.submit("early", "the quick brown fox",
+                                     SamplingParams(max_tokens=200, ignore_eos=True))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        for _ in range(200):
+            stats = engine.stats()
+            if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+                break
+            await asyncio.sleep(0.01)
+        stats = engine.stats()
+        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+
+        with pytest.raises(RequestError):
+            await engine.submit("bad", [], params)
+        tick_task.cancel()
+        # the event loop kept running while the model computed
+        assert ticks > 20 and longest_gap < 0.5
+        assert engine.is_alive
+        await engine.shutdown()
+
+    asyncio.run(main())
