@@ -1,0 +1,63 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.models.loader import (
+    DEFAULT_MODEL_FILE,
+    gguf_model_config,
+    load_model,
+    resolve_model_source,
+    resolve_dtype,
+)
+
+
+def test_default_source_is_the_embedded_gguf() -> None:
+    source = resolve_model_source(None)
+    assert source.gguf_file == DEFAULT_MODEL_FILE
+    assert (Path(source.folder) / DEFAULT_MODEL_FILE).is_file()
+
+
+def test_gguf_header_config_matches_transformers(smollm2_gguf) -> None:
+    import gguf
+    from transformers import AutoConfig
+
+    folder, name = smollm2_gguf
+    ours = gguf_model_config(gguf.GGUFReader(str(Path(folder) / name)))
+    hf = AutoConfig.from_pretrained(folder, gguf_file=name)
+    assert (ours.num_layers, ours.hidden_size, ours.num_heads, ours.num_kv_heads) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads)
+    assert ours.intermediate_size == hf.intermediate_size and ours.vocab_size == hf.vocab_size
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings
+    assert ours.rope_theta == pytest.approx(hf.rope_parameters["rope_theta"])
+
+
+def test_missing_model_paths_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="never downloaded"):
+        resolve_model_source("meta-llama/Llama-3-8B")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model_source(str(tmp_path))
+
+
+def test_dtype_resolution(tiny_model) -> None:
+    loaded = load_model(resolve_model_source(tiny_model[0]), "auto", torch.device("cpu"))
+    assert loaded.dtype == torch.float32  # the checkpoint was saved in float32
+    assert resolve_dtype("bfloat16", loaded.config, resolve_model_source(None), "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("int3", loaded.config, resolve_model_source(None), "cpu")
+
+
+def test_incomplete_checkpoint_is_rejected(tiny_model, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = Path(tiny_model[0])
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (st,) = list(tmp_path.glob("*.safetensors"))
+    tensors = load_file(st)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, st, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="up_proj|gate_up_proj"):
+        load_model(resolve_model_source(str(tmp_path)), "float32", torch.device("cpu"))
