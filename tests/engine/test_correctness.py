@@ -17,12 +17,15 @@ NEW_TOKENS = 32
 
 def hf_greedy(model, prompt_ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     config = GenerationConfig(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        max_new_tokens=new_tokens, do_sample=False,
         eos_token_id=None, pad_token_id=0,
     )
+    model.generation_config.eos_token_id = None  # else generate() falls back to it and stops
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
-    return out[0, len(prompt_ids):].tolist()
+    generated = out[0, len(prompt_ids):].tolist()
+    assert len(generated) == new_tokens  # EOS must not have stopped the reference early
+    return generated
 
 
 def prompt_lengths() -> list[int]:
