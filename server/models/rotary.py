@@ -56,12 +56,14 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]``; query ``[T, Hq, D]``, key ``[T, Hkv, D]``."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        # Tables are float32; like the reference implementation, the rotation itself runs in
+        # the activations' dtype.
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(query.dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return x * cos + rotated * sin
