@@ -10,6 +10,7 @@ from server.config import make_engine_config
 from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
+from server.log import init_logging
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, Any]]
@@ -23,6 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
+        init_logging()
         self.engine = LLMEngine(make_engine_config(model=model, **options))
         self._ids = itertools.count()
 
