@@ -158,6 +158,8 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         n_prompt = len(prompt_ids)
         if n_prompt >= max_len:
             raise RequestError(

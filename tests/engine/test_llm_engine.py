@@ -117,6 +117,10 @@ def test_bad_prompts_rejected_and_engine_keeps_serving(llm: LLM) -> None:
         llm.generate([[5] * 10], SamplingParams(max_tokens=max_len))
     with pytest.raises(RequestError, match="token ids"):
         llm.generate([[10**9]], SamplingParams())
+    with pytest.raises(RequestError, match="logit_bias"):
+        llm.generate("x", SamplingParams(logit_bias={10**9: 1.0}))
+    with pytest.raises(RequestError, match="stop_token_ids"):
+        llm.generate("x", SamplingParams(stop_token_ids=[-1], min_tokens=2))
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate("still serving", SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
