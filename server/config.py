@@ -136,3 +136,59 @@ def make_engine_config(**overrides: object) -> EngineConfig:
             raise TypeError(f"unknown engine option {key!r}")
         setattr(args, key, value)
     return engine_config_from_args(args)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """HTTP-side settings of ``hpu-serve serve``."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting_requests: int = 0
+    max_body_bytes: int = 16 * 1024 * 1024
+    shutdown_timeout: float = 30.0
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    log_level: str = "info"
+    disable_access_log: bool = False
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="or VLLM_API_KEY; protects /v1/*")
+    parser.add_argument("--max-waiting-requests", type=int, default=0,
+                        help="answer 503 once this many requests wait (0: unbounded)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--allowed-origins", nargs="*", default=["*"])
+    parser.add_argument("--allowed-methods", nargs="*", default=["*"])
+    parser.add_argument("--allowed-headers", nargs="*", default=["*"])
+    parser.add_argument("--allow-credentials", action="store_true")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["debug", "info", "warning", "error", "critical"])
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def server_config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ServerConfig:
+    env = os.environ if environ is None else environ
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or env.get("VLLM_API_KEY") or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        log_level=args.uvicorn_log_level,
+        disable_access_log=args.disable_uvicorn_access_log,
+    )

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP front end (FastAPI). Knows nothing of tensors."""

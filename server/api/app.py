@@ -1,0 +1,142 @@
+"""The FastAPI application factory: routes, middleware, lifespan. No module globals."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import server
+from server.api.errors import APIError, install_error_handlers
+from server.api.middleware import BodyTooLarge, GuardMiddleware
+from server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.api.serving import EngineClient, ServingContext, check_model
+from server.api.serving_chat import create_chat_completion
+from server.api.serving_completion import create_completion
+from server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class AppSettings:
+    """The HTTP-side options the app factory needs."""
+
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_waiting_requests: int = 0
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+def build_app(engine: EngineClient, settings: AppSettings, start_engine: bool = True) -> FastAPI:
+    metrics = ServerMetrics(settings.model_name, engine.stats)
+    ctx = ServingContext(engine, settings.model_name, settings.max_model_len, metrics,
+                         settings.max_waiting_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if start_engine:
+            engine.start()  # type: ignore[attr-defined]
+        yield
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:
+            await shutdown()
+
+    app = FastAPI(title="hpu-serve", version=server.__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    _add_routes(app, ctx)
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(settings.allowed_origins),
+        allow_methods=list(settings.allowed_methods),
+        allow_headers=list(settings.allowed_headers),
+        allow_credentials=settings.allow_credentials,
+    )
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key,
+                       max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+def _request_id(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id"))
+
+
+def _respond(result: object) -> Response:
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream",  # type: ignore[arg-type]
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(result.model_dump())  # type: ignore[attr-defined]
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, exc: BodyTooLarge) -> Response:
+        from server.api.errors import error_response
+
+        return error_response(413, str(exc))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return _respond(await create_chat_completion(ctx, body, _request_id(request)))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return _respond(await create_completion(ctx, body, _request_id(request)))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_name,
+                                         max_model_len=ctx.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.engine.is_alive:
+            raise APIError(503, "the engine loop is not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": server.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(ctx, body.model)
+        tok = ctx.engine.tokenizer
+        if body.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            tokens = tok.encode_chat(messages, body.add_generation_prompt)
+        elif body.prompt is not None:
+            tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "either prompt or messages is required", "prompt")
+        return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(ctx, body.model)
+        vocab = ctx.engine.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(body.tokens))

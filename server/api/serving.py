@@ -1,0 +1,171 @@
+"""Shared serving logic: model checks, OpenAI fields -> SamplingParams, engine streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from server.api.errors import APIError
+from server.api.protocol import SamplingFields, UsageInfo
+from server.engine.outputs import RequestOutput
+from server.engine.sampling_params import SamplingParams
+from server.metrics import ServerMetrics
+
+
+class EngineClient(Protocol):
+    """What the API needs from the engine (``AsyncEngine`` provides it)."""
+
+    tokenizer: Any
+    is_alive: bool
+
+    async def submit(self, request_id: str, prompt: str | list[int],
+                     params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServingContext:
+    """Per-app facts the handlers need, built once by the app factory."""
+
+    engine: EngineClient
+    model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+    max_waiting_requests: int  # 0 = unbounded
+
+
+def check_model(ctx: ServingContext, name: str | None) -> None:
+    if name is not None and name != ctx.model_name:
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+
+def build_sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """OpenAI/vLLM request fields -> engine params; bad values surface as pydantic errors
+    naming the field (answered with 400)."""
+    bias = None
+    if req.logit_bias:
+        try:
+            bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
+    fields: dict[str, Any] = dict(
+        n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        logit_bias=bias, logprobs=logprobs, stop=req.stop,
+        stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    min_p=req.min_p, repetition_penalty=req.repetition_penalty)
+    fields.update({k: v for k, v in optional.items() if v is not None})
+    return SamplingParams(**fields)
+
+
+async def submit(ctx: ServingContext, request_id: str, prompt: str | list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    if ctx.max_waiting_requests and ctx.engine.stats().num_waiting >= ctx.max_waiting_requests:
+        raise APIError(503, f"the server is overloaded: {ctx.max_waiting_requests} requests "
+                            "are already waiting; retry later")
+    return await ctx.engine.submit(request_id, prompt, params)
+
+
+class MetricsTap:
+    """Records token counters and latencies as one request's outputs flow past."""
+
+    def __init__(self, metrics: ServerMetrics, params: SamplingParams) -> None:
+        self.metrics = metrics
+        self.params = params
+        self.last_token_time: float | None = None
+        self.started = False
+
+    def observe(self, out: RequestOutput) -> None:
+        m = self.metrics
+        new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
+        if not self.started:
+            self.started = True
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            if out.metrics is not None and out.metrics.first_token_time is not None:
+                m.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
+        elif new_tokens and out.metrics is not None and self.last_token_time is not None:
+            assert out.metrics.last_token_time is not None
+            m.itl.observe(out.metrics.last_token_time - self.last_token_time)
+        if out.metrics is not None:
+            self.last_token_time = out.metrics.last_token_time
+        m.generation_tokens.inc(new_tokens)
+        if out.finished:
+            m.record_finished(out, self.params.n, self.params.max_tokens)
+
+
+async def tapped(stream: AsyncIterator[RequestOutput], tap: MetricsTap
+                 ) -> AsyncIterator[RequestOutput]:
+    async for out in stream:
+        tap.observe(out)
+        yield out
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several requests' outputs (a completions call with many prompts)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()  # a departed client aborts every prompt's request
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_chunk(body: BaseModel) -> str:
+    """A stream chunk as OpenAI writes it: unset optional fields left out, except that every
+    choice states its ``finish_reason`` (null until the last chunk)."""
+    data = body.model_dump(exclude_none=True)
+    for choice in data.get("choices", []):
+        choice.setdefault("finish_reason", None)
+        choice.setdefault("logprobs", None)
+    return sse(json.dumps(data, ensure_ascii=False))
+
+
+def created_now() -> int:
+    return int(time.time())

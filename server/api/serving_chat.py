@@ -1,0 +1,124 @@
+"""POST /v1/chat/completions: chat template -> engine -> response or SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from server.api.errors import APIError
+from server.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+)
+from server.api.serving import (
+    MetricsTap,
+    ServingContext,
+    build_sampling_params,
+    check_model,
+    created_now,
+    sse,
+    sse_chunk,
+    submit,
+    tapped,
+    usage,
+)
+from server.engine.outputs import RequestOutput, TokenLogprob
+
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str
+) -> ChatCompletionResponse | AsyncIterator[str]:
+    check_model(ctx, req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_sampling_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    try:
+        prompt_ids = await asyncio.to_thread(
+            ctx.engine.tokenizer.encode_chat, messages, req.add_generation_prompt
+        )
+    except ValueError as exc:  # no template, unsupported content parts
+        raise APIError(400, str(exc), "messages") from None
+    stream = tapped(await submit(ctx, request_id, prompt_ids, params), MetricsTap(ctx.metrics, params))
+    response_id = f"chatcmpl-{request_id}"
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(ctx, stream, response_id, req.n, include_usage)
+    final: RequestOutput | None = None
+    async for out in stream:
+        final = out
+    assert final is not None
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=AssistantMessage(content=c.text),
+            logprobs=_logprobs(ctx, c.logprobs) if c.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in final.outputs
+    ]
+    return ChatCompletionResponse(
+        id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
+        usage=usage(len(final.prompt_token_ids), final.num_generated_tokens),
+    )
+
+
+async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], response_id: str,
+                  n: int, include_usage: bool) -> AsyncIterator[str]:
+    created = created_now()
+
+    def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
+        body = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name,
+                                   choices=choices, **extra)
+        return sse_chunk(body)
+
+    for i in range(n):
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+    final: RequestOutput | None = None
+    async for out in stream:
+        final = out
+        choices = []
+        for c in out.outputs:
+            # Only completions that advanced this step; a finished one stays finished in
+            # later outputs of an n > 1 request and must not be announced twice.
+            if not c.delta_token_ids:
+                continue
+            if not (c.delta_text or c.finish_reason or c.delta_logprobs):
+                continue
+            choices.append(ChatStreamChoice(
+                index=c.index,
+                delta=DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage(),
+                logprobs=_logprobs(ctx, c.delta_logprobs) if c.delta_logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            ))
+        if choices:
+            yield chunk(choices)
+    if include_usage and final is not None:
+        yield chunk([], usage=usage(len(final.prompt_token_ids), final.num_generated_tokens))
+    yield sse("[DONE]")
+
+
+def _logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:
+    tok = ctx.engine.tokenizer
+    content = []
+    for e in entries:
+        text = tok.token_str(e.token_id)
+        content.append(ChatLogprob(
+            token=text, logprob=e.logprob, bytes=list(text.encode("utf-8")),
+            top_logprobs=[
+                TopLogprob(token=(s := tok.token_str(t)), logprob=lp, bytes=list(s.encode()))
+                for t, lp in e.top
+            ],
+        ))
+    return ChatLogprobs(content=content)

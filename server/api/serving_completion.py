@@ -1,0 +1,138 @@
+"""POST /v1/completions: one engine request per prompt, choices indexed prompt * n + i."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from server.api.errors import APIError
+from server.api.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from server.api.serving import (
+    MetricsTap,
+    ServingContext,
+    build_sampling_params,
+    check_model,
+    created_now,
+    merge,
+    sse,
+    sse_chunk,
+    submit,
+    tapped,
+    usage,
+)
+from server.engine.outputs import RequestOutput, TokenLogprob
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    return list(prompt)  # type: ignore[arg-type]
+
+
+async def create_completion(
+    ctx: ServingContext, req: CompletionRequest, request_id: str
+) -> CompletionResponse | AsyncIterator[str]:
+    check_model(ctx, req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+    params = build_sampling_params(req, req.max_tokens, req.logprobs)
+    prompts = _prompts(req.prompt)
+    streams = []
+    try:
+        for i, prompt in enumerate(prompts):
+            stream = await submit(ctx, f"{request_id}-{i}", prompt, params)
+            streams.append(tapped(stream, MetricsTap(ctx.metrics, params)))
+    except BaseException:
+        for i in range(len(streams)):
+            ctx.engine.abort(f"{request_id}-{i}")
+        raise
+    response_id = f"cmpl-{request_id}"
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(ctx, streams, response_id, req, include_usage)
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in merge(streams):
+        finals[i] = out
+    choices = []
+    for i in range(len(prompts)):
+        out = finals[i]
+        prefix = _echo_text(ctx, out) if req.echo else ""
+        for c in out.outputs:
+            choices.append(CompletionChoice(
+                index=i * req.n + c.index, text=prefix + c.text,
+                logprobs=_logprobs(ctx, c.logprobs, 0) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            ))
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
+    generated = sum(o.num_generated_tokens for o in finals.values())
+    return CompletionResponse(id=response_id, created=created_now(), model=ctx.model_name,
+                              choices=choices, usage=usage(prompt_tokens, generated))
+
+
+async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput]],
+                  response_id: str, req: CompletionRequest, include_usage: bool
+                  ) -> AsyncIterator[str]:
+    created = created_now()
+    offsets: dict[int, int] = {}
+    echoed: set[int] = set()
+    prompt_tokens: dict[int, int] = {}
+    generated: dict[int, int] = {}
+
+    def chunk(choices: list[CompletionChoice], **extra: object) -> str:
+        body = CompletionResponse(id=response_id, created=created, model=ctx.model_name,
+                                  choices=choices, **extra)
+        return sse_chunk(body)
+
+    async for i, out in merge(streams):
+        prompt_tokens[i] = len(out.prompt_token_ids)
+        generated[i] = out.num_generated_tokens
+        choices = []
+        for c in out.outputs:
+            index = i * req.n + c.index
+            text = c.delta_text
+            if req.echo and index not in echoed:
+                echoed.add(index)
+                text = _echo_text(ctx, out) + text
+            if not c.delta_token_ids or not (text or c.finish_reason or c.delta_logprobs):
+                continue
+            offset = offsets.get(index, 0)
+            offsets[index] = offset + len(c.delta_text)
+            choices.append(CompletionChoice(
+                index=index, text=text,
+                logprobs=_logprobs(ctx, c.delta_logprobs, offset) if c.delta_logprobs else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            ))
+        if choices:
+            yield chunk(choices)
+    if include_usage:
+        yield chunk([], usage=usage(sum(prompt_tokens.values()), sum(generated.values())))
+    yield sse("[DONE]")
+
+
+def _echo_text(ctx: ServingContext, out: RequestOutput) -> str:
+    return out.prompt if out.prompt is not None else ctx.engine.tokenizer.decode(
+        out.prompt_token_ids)
+
+
+def _logprobs(ctx: ServingContext, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    tok = ctx.engine.tokenizer
+    result = CompletionLogprobs()
+    for e in entries:
+        text = tok.token_str(e.token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(e.logprob)
+        result.top_logprobs.append({tok.token_str(t): lp for t, lp in e.top})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+

@@ -1,0 +1,98 @@
+"""Prometheus metrics with vLLM's standard names, in a registry per server.
+
+Engine-derived gauges are read at scrape time by a collector; request-level counters and
+histograms are recorded by the API as outputs flow. Other layers (the device layer's
+graph-compile and bucket-miss counters) register into the same ``registry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class EngineCollector(Collector):
+    """Scheduler and KV cache state, read from ``stats()`` whenever Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], Any], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Any]:
+        s = self._stats()
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+             s.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric([self._model], value)
+            yield gauge
+        counter = CounterMetricFamily("vllm:num_preemptions", "Preemptions by recompute.",
+                                      labels=labels)
+        counter.add_metric([self._model], s.num_preemptions)
+        yield counter
+
+
+class ServerMetrics:
+    """The request-level series; one instance per app, in its own registry."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any],
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(EngineCollector(stats, model_name))
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", m,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m,
+                                         registry=r).labels(model_name)
+        self.request_success = Counter("vllm:request_success", "Finished requests.",
+                                       m + ["finished_reason"], registry=r)
+        self.ttft = self._hist("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = self._hist("vllm:inter_token_latency_seconds", "Time between tokens.")
+        self.e2e = self._hist("vllm:e2e_request_latency_seconds", "End-to-end latency.")
+        self.queue_time = self._hist("vllm:request_queue_time_seconds", "Time waiting.")
+        self.prefill_time = self._hist("vllm:request_prefill_time_seconds", "Prefill phase.")
+        self.decode_time = self._hist("vllm:request_decode_time_seconds", "Decode phase.")
+        self.request_prompt_tokens = self._hist(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = self._hist(
+            "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.request_params_n = self._hist("vllm:request_params_n", "The n parameter.",
+                                           (1, 2, 5, 10, 20))
+        self.request_params_max_tokens = self._hist(
+            "vllm:request_params_max_tokens", "The max_tokens parameter.", _TOKEN_BUCKETS)
+
+    def _hist(self, name: str, doc: str, buckets: tuple = _LATENCY_BUCKETS) -> Any:
+        return Histogram(name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+    def record_finished(self, output: Any, n: int, max_tokens: int | None) -> None:
+        """Per-request series once the last output of a request has arrived."""
+        m = output.metrics
+        for completion in output.outputs:
+            self.request_success.labels(self.model_name, completion.finish_reason or "abort").inc()
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(output.num_generated_tokens)
+        self.request_params_n.observe(n)
+        if max_tokens is not None:
+            self.request_params_max_tokens.observe(max_tokens)
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+                self.decode_time.observe(m.finished_time - m.first_token_time)
