@@ -1,0 +1,103 @@
+"""The official openai SDK against the real server: sync, async, streaming and not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+MESSAGES = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": "the quick brown fox"}]
+
+
+def test_models_list(client, model_name: str) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+
+
+def test_chat_non_streaming_fields(client, model_name: str) -> None:
+    resp = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=7,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert resp.model == model_name and resp.created > 0
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 7
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 7
+
+
+def test_chat_streaming_equals_non_streaming(client, model_name: str) -> None:
+    kwargs = dict(model=model_name, messages=MESSAGES, max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_n_seed_and_logprobs(client, model_name: str) -> None:
+    kwargs = dict(model=model_name, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=11,
+                  n=2, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    a = client.chat.completions.create(**kwargs)
+    b = client.chat.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    for choice in a.choices:
+        entries = choice.logprobs.content
+        assert len(entries) == 6
+        for e in entries:
+            assert e.logprob <= 0 and len(e.top_logprobs) == 3
+            assert e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+    assert a.usage.completion_tokens == 12
+
+
+def test_completions_batch_echo_stop_and_logprobs(client, model_name: str) -> None:
+    resp = client.completions.create(model=model_name, prompt=["the quick", "numbers 1 2"],
+                                     max_tokens=5, temperature=0, n=2,
+                                     extra_body={"ignore_eos": True})
+    assert resp.object == "text_completion"
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert resp.choices[0].text == resp.choices[1].text  # greedy: both completions agree
+    assert resp.usage.completion_tokens == 20
+    echo = client.completions.create(model=model_name, prompt="the quick", max_tokens=3,
+                                     temperature=0, echo=True, extra_body={"ignore_eos": True})
+    assert echo.choices[0].text.startswith("the quick")
+    lp = client.completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=4,
+                                   temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 and len(logprobs.token_logprobs) == 4
+    assert all(len(t) <= 2 for t in logprobs.top_logprobs) and logprobs.text_offset[0] == 0
+    ids = client.completions.create(model=model_name, prompt="the quick", max_tokens=4,
+                                    temperature=0, extra_body={"ignore_eos": True,
+                                                               "stop_token_ids": [2]})
+    assert ids.choices[0].finish_reason in ("length", "stop")
+
+
+def test_async_client_concurrent_streams(server, model_name: str) -> None:
+    async def main() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x")
+
+        async def one(i: int) -> str:
+            stream = await aclient.completions.create(
+                model=model_name, prompt=f"numbers {i}", max_tokens=8, temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        return await asyncio.gather(*(one(i % 4) for i in range(8)))
+
+    texts = asyncio.run(main())
+    assert texts[:4] == texts[4:]
+
+
+def test_sdk_raises_typed_errors(client, model_name: str) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=-1)
+    assert "temperature" in str(err.value)
