@@ -110,9 +110,15 @@ class MetricsTap:
 
 async def tapped(stream: AsyncIterator[RequestOutput], tap: MetricsTap
                  ) -> AsyncIterator[RequestOutput]:
-    async for out in stream:
-        tap.observe(out)
-        yield out
+    finished = False
+    try:
+        async for out in stream:
+            tap.observe(out)
+            finished = out.finished
+            yield out
+    finally:
+        if not finished:  # the client left (or the engine failed): the request was aborted
+            tap.metrics.request_success.labels(tap.metrics.model_name, "abort").inc()
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]

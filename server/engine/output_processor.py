@@ -75,10 +75,10 @@ class OutputProcessor:
                 scheduler.finish(seq)
         outputs = []
         for state in touched.values():
-            outputs.append(state.output())
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
+            outputs.append(state.output())
         return outputs
 
     def abort(self, request_id: str) -> RequestOutput | None:
