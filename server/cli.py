@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -42,9 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from server.api.app import AppSettings, build_app
+    from server.api.http_server import run_http_server
     from server.engine.async_engine import AsyncEngine
 
     init_logging()
@@ -63,14 +61,8 @@ def serve(args: argparse.Namespace) -> int:
         allowed_headers=server_cfg.allowed_headers,
         allow_credentials=server_cfg.allow_credentials,
     ))
-    config = uvicorn.Config(
-        app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
-        access_log=not server_cfg.disable_access_log,
-        timeout_graceful_shutdown=int(server_cfg.shutdown_timeout),
-    )
     logger.info("serving %s on http://%s:%d", core.model_name, server_cfg.host, server_cfg.port)
-    # uvicorn binds only now, after loading (and warmup): nothing listens before.
-    asyncio.run(uvicorn.Server(config).serve())
+    run_http_server(app, server_cfg)
     return 0
 
 

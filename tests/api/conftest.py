@@ -97,3 +97,13 @@ def client(server):
 @pytest.fixture(scope="module")
 def model_name() -> str:
     return MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def start_server_fn():
+    return start_server
+
+
+@pytest.fixture(scope="session")
+def tiny_flags() -> tuple[str, ...]:
+    return TINY_FLAGS

@@ -1,0 +1,43 @@
+"""Running the app under uvicorn, with a shutdown that drains in-flight requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from server.config import ServerConfig
+
+
+class GracefulServer(uvicorn.Server):
+    """On SIGTERM/SIGINT uvicorn stops accepting, lets in-flight requests finish within
+    ``timeout_graceful_shutdown`` and then cancels the rest. Stock uvicorn re-raises the
+    signal afterwards, so the process would die by it; a drained shutdown exits 0 here."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def run_http_server(app: FastAPI, cfg: ServerConfig) -> None:
+    """Binds the port (only now: the engine is loaded and warmed up) and serves."""
+    config = uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+        access_log=not cfg.disable_access_log,
+        timeout_graceful_shutdown=max(1, round(cfg.shutdown_timeout)),
+    )
+    asyncio.run(GracefulServer(config).serve())
