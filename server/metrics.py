@@ -14,8 +14,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's bucket boundaries, so dashboards built for vLLM read the same.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
@@ -59,8 +64,10 @@ class ServerMetrics:
                                          registry=r).labels(model_name)
         self.request_success = Counter("vllm:request_success", "Finished requests.",
                                        m + ["finished_reason"], registry=r)
-        self.ttft = self._hist("vllm:time_to_first_token_seconds", "Time to first token.")
-        self.itl = self._hist("vllm:inter_token_latency_seconds", "Time between tokens.")
+        self.ttft = self._hist("vllm:time_to_first_token_seconds", "Time to first token.",
+                               _TTFT_BUCKETS)
+        self.itl = self._hist("vllm:inter_token_latency_seconds", "Time between tokens.",
+                              _ITL_BUCKETS)
         self.e2e = self._hist("vllm:e2e_request_latency_seconds", "End-to-end latency.")
         self.queue_time = self._hist("vllm:request_queue_time_seconds", "Time waiting.")
         self.prefill_time = self._hist("vllm:request_prefill_time_seconds", "Prefill phase.")
@@ -74,7 +81,7 @@ class ServerMetrics:
         self.request_params_max_tokens = self._hist(
             "vllm:request_params_max_tokens", "The max_tokens parameter.", _TOKEN_BUCKETS)
 
-    def _hist(self, name: str, doc: str, buckets: tuple = _LATENCY_BUCKETS) -> Any:
+    def _hist(self, name: str, doc: str, buckets: tuple = _REQUEST_BUCKETS) -> Any:
         return Histogram(name, doc, ["model_name"], buckets=buckets,
                          registry=self.registry).labels(self.model_name)
 
