@@ -15,21 +15,11 @@ from server.engine.outputs import TokenLogprob
 from server.engine.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.hpu.attention import AttentionMetadata
+from server.hpu.graph_runner import ForwardInputs
 from server.models.llama import KVCache, LlamaForCausalLM
 
 # Additive mask value for unused slots of a block (finite: -inf - -inf would be NaN).
 _MASKED = -1e30
-
-
-@dataclass(slots=True)
-class ModelInput:
-    """Device tensors for one forward pass, padded to ``(bs, q)`` / ``num_blocks``."""
-
-    input_ids: torch.Tensor  # [bs, q]
-    positions: torch.Tensor  # [bs, q]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_real_seqs] flat index of each row's last real token
-    num_seqs: int
 
 
 @dataclass(slots=True)
@@ -71,15 +61,16 @@ class ModelRunner:
         out = self.sampler(logits, sampling)
         return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, seqs))
 
-    def forward(self, inputs: ModelInput) -> torch.Tensor:
-        """Logits ``[num_real_seqs, vocab]`` (float32) of each sequence's last token."""
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Logits ``[bs, vocab]`` (float32) of each row's last token, padding rows included:
+        a pure function of tensors, so it can be compiled or captured per bucket."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.logits_indices)
         return self.model.compute_logits(hidden)
 
     def prepare_prefill(
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
-    ) -> ModelInput:
+    ) -> ForwardInputs:
         """Every token of each sequence, right-padded into ``[bs, q]``."""
         lens = [s.num_tokens for s in seqs]
         bs, q = pad_to if pad_to is not None else (len(seqs), max(lens))
@@ -96,9 +87,10 @@ class ModelRunner:
         slots = block_tables.gather(1, positions // block) * block + positions % block
         pad_slots = self.pad_block_id * block + positions % block
         slot_mapping = torch.where(is_real, slots, pad_slots).reshape(-1)
-        logits_indices = torch.arange(len(seqs)) * q + seq_lens[: len(seqs)] - 1
+        # Pad rows point at token 0: their logits are computed (static shape) and dropped.
+        logits_indices = (torch.arange(bs) * q + seq_lens - 1).clamp(min=0)
         meta = AttentionMetadata(True, block, slot_mapping.to(self.device))
-        return ModelInput(
+        return ForwardInputs(
             token_ids.to(self.device),
             torch.where(is_real, positions, 0).to(self.device),
             meta,
@@ -108,7 +100,7 @@ class ModelRunner:
 
     def prepare_decode(
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
-    ) -> ModelInput:
+    ) -> ForwardInputs:
         """Each sequence's last token; its KV blocks flattened into one block list."""
         block = self.block_size
         positions = [s.num_tokens - 1 for s in seqs]
@@ -143,10 +135,10 @@ class ModelRunner:
             block_mapping=mapping.to(dev),
             block_bias=block_bias.to(dev),
         )
-        return ModelInput(
+        return ForwardInputs(
             token_ids.view(bs, 1).to(dev),
             pos_t.view(bs, 1).to(dev),
             meta,
-            torch.arange(len(seqs)).to(dev),
+            torch.arange(bs).to(dev),
             len(seqs),
         )

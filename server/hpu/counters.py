@@ -1,0 +1,68 @@
+"""Device-layer Prometheus series: graph compilations, bucket misses, padding, warmup.
+
+They live in the device layer's own registry; the HTTP layer folds that registry into
+``/metrics``, so an operator can prove "zero compilations after warmup".
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+PHASES = ("prompt", "decode", "sampler")
+
+
+class DeviceCounters:
+    """Counters for one engine; ``stage`` flips from ``warmup`` to ``serving`` when the
+    port is about to open."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self.stage = "warmup"
+        r = self.registry
+        self._compilations = Counter(
+            "hpu_serve:graph_compilations", "Graph compilations (torch.compile / HPU recipes).",
+            ["model_name", "phase", "stage"], registry=r)
+        self._misses = Counter(
+            "hpu_serve:bucket_misses", "Batches that fit no warmed-up bucket.",
+            ["model_name", "phase"], registry=r)
+        self._padded = Counter("hpu_serve:padded_tokens", "Tokens run, padding included.",
+                               ["model_name", "phase"], registry=r)
+        self._real = Counter("hpu_serve:real_tokens", "Tokens run that belong to requests.",
+                             ["model_name", "phase"], registry=r)
+        self._buckets = Gauge("hpu_serve:warmup_buckets", "Buckets planned / warmed / captured.",
+                              ["model_name", "phase", "state"], registry=r)
+        self._warmup_seconds = Gauge("hpu_serve:warmup_seconds", "Duration of the warmup.",
+                                     ["model_name"], registry=r)
+        for phase in PHASES:  # every series exists from the start, at zero
+            for stage in ("warmup", "serving"):
+                self._compilations.labels(model_name, phase, stage)
+            self._misses.labels(model_name, phase)
+            self._padded.labels(model_name, phase)
+            self._real.labels(model_name, phase)
+            for state in ("planned", "warmed", "captured"):
+                self._buckets.labels(model_name, phase, state)
+        self._warmup_seconds.labels(model_name)
+        self._totals: dict[tuple[str, str], int] = {}
+
+    def compiled(self, phase: str, count: int = 1) -> None:
+        self._compilations.labels(self.model_name, phase, self.stage).inc(count)
+        key = (phase, self.stage)
+        self._totals[key] = self._totals.get(key, 0) + count
+
+    def compilations(self, phase: str | None = None, stage: str | None = None) -> int:
+        return sum(v for (p, s), v in self._totals.items()
+                   if (phase is None or p == phase) and (stage is None or s == stage))
+
+    def missed(self, phase: str) -> None:
+        self._misses.labels(self.model_name, phase).inc()
+
+    def tokens(self, phase: str, real: int, padded: int) -> None:
+        self._real.labels(self.model_name, phase).inc(real)
+        self._padded.labels(self.model_name, phase).inc(padded)
+
+    def set_buckets(self, phase: str, state: str, count: int) -> None:
+        self._buckets.labels(self.model_name, phase, state).set(count)
+
+    def set_warmup_seconds(self, seconds: float) -> None:
+        self._warmup_seconds.labels(self.model_name).set(seconds)
