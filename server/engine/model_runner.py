@@ -15,7 +15,9 @@ from server.engine.outputs import TokenLogprob
 from server.engine.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.hpu.attention import AttentionMetadata
-from server.hpu.graph_runner import ForwardInputs
+from server.hpu.counters import DeviceCounters
+from server.hpu.graph_runner import EagerRunner, ForwardInputs, GraphRunner
+from server.hpu.shapes import ShapePlanner
 from server.models.llama import KVCache, LlamaForCausalLM
 
 # Additive mask value for unused slots of a block (finite: -inf - -inf would be NaN).
@@ -51,15 +53,36 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.vocab_size
         self.sampler = Sampler()
+        # Set by the engine once the execution mode is known; eager until then.
+        self.graphs: GraphRunner = EagerRunner(self.forward, DeviceCounters("unnamed"))
+        self.shapes: ShapePlanner | None = None
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         seqs = batch.seqs
-        inputs = self.prepare_prefill(seqs) if batch.is_prefill else self.prepare_decode(seqs)
-        logits = self.forward(inputs)
+        phase = "prompt" if batch.is_prefill else "decode"
+        key, pad_to = self._shape(phase, seqs)
+        if batch.is_prefill:
+            inputs = self.prepare_prefill(seqs, pad_to)
+        else:
+            inputs = self.prepare_decode(seqs, pad_to)
+        real = sum(s.num_tokens for s in seqs) if batch.is_prefill else len(seqs)
+        self.graphs.counters.tokens(phase, real, inputs.input_ids.numel())
+        logits = self.graphs.run(phase, key, inputs)[: len(seqs)]
         sampling = SamplingTensors.build(seqs, self.vocab_size, self.eos_token_ids, self.device)
         out = self.sampler(logits, sampling)
         return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, seqs))
+
+    def _shape(self, phase: str, seqs: list[Sequence]) -> tuple[tuple[int, ...], tuple[int, int]]:
+        """(bucket key, padded shape): the planned bucket that holds the batch, or the exact
+        shape when bucketing is off or the batch fits no bucket (counted as a miss)."""
+        if phase == "prompt":
+            exact = (len(seqs), max(s.num_tokens for s in seqs))
+        else:
+            exact = (len(seqs), sum(len(s.block_table) for s in seqs))
+        if self.shapes is None:
+            return exact, exact
+        return self.shapes.pad(phase, exact)
 
     def forward(self, inputs: ForwardInputs) -> torch.Tensor:
         """Logits ``[bs, vocab]`` (float32) of each row's last token, padding rows included:
