@@ -1,0 +1,132 @@
+"""Warmup before the port opens: every bucket compiled, graphs captured, sampler exercised.
+
+Log lines keep the reference implementation's shape, so operators' habits (and grep
+patterns) carry over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from server.hpu.counters import DeviceCounters
+from server.hpu.graph_runner import ForwardInputs, GraphRunner
+
+logger = logging.getLogger(__name__)
+
+Bucket = tuple[int, int, int]
+GiB = float(1 << 30)
+
+# (temperature, top_p, top_k): the six sampler configurations of the reference, each run
+# with batch_changed True and False = 12 configurations.
+SAMPLER_CONFIGS = ((0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 50), (0.3, 0.95, 20),
+                   (1.2, 0.8, 100), (0.8, 0.85, 0))
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupConfig:
+    """The reference's warmup / graph-memory knobs (defaults as documented)."""
+
+    skip: bool = False  # VLLM_SKIP_WARMUP
+    graph_reserved_mem: float = 0.1  # VLLM_GRAPH_RESERVED_MEM
+    graph_prompt_ratio: float = 0.3  # VLLM_GRAPH_PROMPT_RATIO
+    prompt_strategy: str = "min_tokens"  # VLLM_GRAPH_PROMPT_STRATEGY
+    decode_strategy: str = "max_bs"  # VLLM_GRAPH_DECODE_STRATEGY
+
+
+@dataclass(slots=True)
+class WarmupHooks:
+    """What warmup needs from the engine, as plain callables (the device layer does not
+    know sequences or samplers)."""
+
+    make_inputs: Callable[[str, Bucket], ForwardInputs]
+    run_sampler: Callable[[int, tuple[float, float, int], bool], None]
+    free_memory: Callable[[], int]  # bytes free on the device (0 where unknown, e.g. CPU)
+
+
+def run_warmup(buckets: dict[str, Sequence[Bucket]], runner: GraphRunner, hooks: WarmupHooks,
+               counters: DeviceCounters, cfg: WarmupConfig) -> float:
+    """Runs every bucket once (compiling it), captures graphs within the memory budget and
+    warms the sampler; returns the seconds it took. Counters move to "serving" after."""
+    start = time.monotonic()
+    for phase in ("prompt", "decode"):
+        counters.set_buckets(phase, "planned", len(buckets[phase]))
+    if cfg.skip:
+        logger.info("Skipping warmup (VLLM_SKIP_WARMUP=true): shapes compile on first use")
+        counters.stage = "serving"
+        return 0.0
+    for phase, label in (("prompt", "Prompt"), ("decode", "Decode")):
+        # Largest first, like the reference: the peak memory shows up at once.
+        ordered = sorted(buckets[phase], key=lambda b: (b[0] * max(b[1], b[2]), b), reverse=True)
+        for i, bucket in enumerate(ordered, 1):
+            _log_step(label, i, len(ordered), bucket, hooks)
+            runner.warm(phase, bucket, hooks.make_inputs(phase, bucket))
+        counters.set_buckets(phase, "warmed", len(ordered))
+        if not runner.captures_graphs:
+            counters.set_buckets(phase, "captured", len(ordered) if runner.mode != "eager" else 0)
+    if runner.captures_graphs and hasattr(runner, "capture"):
+        _capture_graphs(buckets, runner, hooks, counters, cfg)
+    _warm_sampler(buckets, hooks)
+    seconds = time.monotonic() - start
+    counters.set_warmup_seconds(seconds)
+    counters.stage = "serving"
+    logger.info("Warmup finished in %.0f secs, %d graph compilations", seconds,
+                counters.compilations(stage="warmup"))
+    return seconds
+
+
+def _log_step(label: str, i: int, total: int, bucket: Bucket, hooks: WarmupHooks) -> None:
+    seq_len = bucket[1] if label.endswith("Prompt") else bucket[2]
+    logger.info("[Warmup][%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB", label, i,
+                total, bucket[0], seq_len, hooks.free_memory() / GiB)
+
+
+def capture_order(buckets: Sequence[Bucket], strategy: str) -> list[Bucket]:
+    """``min_tokens``: cheapest graphs first; ``max_bs``: largest batches first (decode
+    under load runs at the maximum batch size)."""
+    if strategy == "max_bs":
+        return sorted(buckets, key=lambda b: (-b[0], b[1] * b[2] or b[1]))
+    return sorted(buckets, key=lambda b: (b[0] * max(b[1], b[2]), b))
+
+
+def _capture_graphs(buckets: dict[str, Sequence[Bucket]], runner: GraphRunner,
+                    hooks: WarmupHooks, counters: DeviceCounters, cfg: WarmupConfig) -> None:
+    free = hooks.free_memory()
+    budget = free * cfg.graph_reserved_mem
+    budgets = {"prompt": budget * cfg.graph_prompt_ratio,
+               "decode": budget * (1 - cfg.graph_prompt_ratio)}
+    logger.info("Using %.2f GiB/%.2f GiB of free device memory for graphs, %.3f GiB for prompt "
+                "and %.3f GiB for decode (VLLM_GRAPH_PROMPT_RATIO=%s)", budget / GiB, free / GiB,
+                budgets["prompt"] / GiB, budgets["decode"] / GiB, cfg.graph_prompt_ratio)
+    strategies = {"prompt": cfg.prompt_strategy, "decode": cfg.decode_strategy}
+    for phase, label in (("prompt", "Prompt"), ("decode", "Decode")):
+        ordered = capture_order(buckets[phase], strategies[phase])
+        captured: list[Bucket] = []
+        used = 0.0
+        for i, bucket in enumerate(ordered, 1):
+            before = hooks.free_memory()
+            if used >= budgets[phase]:
+                break  # budget spent: the remaining buckets run compiled but uncaptured
+            _log_step(f"Graph/{label}", i, len(ordered), bucket, hooks)
+            runner.capture(phase, bucket, hooks.make_inputs(phase, bucket))  # type: ignore[attr-defined]
+            used += max(0, before - hooks.free_memory())
+            captured.append(bucket)
+        counters.set_buckets(phase, "captured", len(captured))
+        share = 100.0 * len(captured) / max(1, len(ordered))
+        logger.info("Graph/%s captured:%d (%.1f%%) used_mem:%.2f GiB buckets:%s", label,
+                    len(captured), share, used / GiB, sorted(captured))
+
+
+def _warm_sampler(buckets: dict[str, Sequence[Bucket]], hooks: WarmupHooks) -> None:
+    sizes = [1] + sorted({b[0] for b in buckets["decode"]} - {1})
+    logger.info("Warming up sampler with batch sizes: %s and following configs:", sizes)
+    configs = [(c, changed) for changed in (True, False) for c in SAMPLER_CONFIGS]
+    for (temp, top_p, top_k), changed in configs:
+        logger.info("temp=%s, top_p=%s, top_k=%d, batch_changed=%s", temp, top_p, top_k, changed)
+    logger.info("Starting sampler warmup...")
+    for bs in sizes:
+        for config, changed in configs:
+            hooks.run_sampler(bs, config, changed)
+    logger.info("Sampler warmup completed successfully")
