@@ -13,6 +13,7 @@ import torch
 
 from server.engine.outputs import TokenLogprob
 from server.engine.sampler import Sampler, SamplingTensors, to_token_logprobs
+from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.hpu.attention import AttentionMetadata
 from server.hpu.counters import DeviceCounters
@@ -165,3 +166,37 @@ class ModelRunner:
             torch.arange(bs).to(dev),
             len(seqs),
         )
+
+    # warmup: shapes without requests
+
+    def dummy_inputs(self, phase: str, bucket: tuple[int, int, int]) -> ForwardInputs:
+        """Inputs of exactly a bucket's shape, every write landing in the padding block."""
+        bs, q, blocks = bucket
+        block = self.block_size
+        pad = self.pad_block_id
+        if phase == "prompt":
+            seqs = [_dummy_seq(q, [pad] * -(-q // block)) for _ in range(bs)]
+            return self.prepare_prefill(seqs, pad_to=(bs, q))
+        # Spread the bucket's blocks over its rows; every row has at least one.
+        per_row = [blocks // bs + (1 if i < blocks % bs else 0) for i in range(bs)]
+        seqs = [_dummy_seq(n * block, [pad] * n) for n in per_row if n > 0]
+        return self.prepare_decode(seqs, pad_to=(bs, blocks))
+
+    def warm_sampler(self, bs: int, config: tuple[float, float, int], batch_changed: bool) -> None:
+        """Runs the sampler on random logits with one of the reference's configurations."""
+        del batch_changed  # no cached batch state here: both paths are the same code
+        temperature, top_p, top_k = config
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k or -1,
+                                max_tokens=1)
+        seqs = [_dummy_seq(1, [], params) for _ in range(bs)]
+        logits = torch.randn(bs, self.vocab_size, device=self.device)
+        with torch.inference_mode():
+            self.sampler(logits, SamplingTensors.build(seqs, self.vocab_size,
+                                                       self.eos_token_ids, self.device))
+
+
+def _dummy_seq(num_tokens: int, block_table: list[int],
+               params: SamplingParams | None = None) -> Sequence:
+    seq = Sequence(-1, "warmup", 0, [0] * num_tokens, params or SamplingParams(), 0.0)
+    seq.block_table = block_table
+    return seq

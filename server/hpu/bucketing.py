@@ -1,0 +1,199 @@
+"""Bucket planning as pure functions (no torch): which padded shapes get warmed up.
+
+A bucket is ``(batch_size, query_len, ctx_blocks)``. Prompt buckets have ``query_len`` a
+multiple of the block size and (without prefix caching) ``ctx_blocks == 0``; decode buckets
+have ``query_len == 1`` and ``ctx_blocks`` = total KV blocks of the whole batch. Ranges and
+defaults follow vLLM's Gaudi backend (exponential by default, linear, or an explicit file).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+
+Bucket = tuple[int, int, int]
+DimRange = tuple[int, int, int, int]  # (min, step, max, limit); limit unused by "lin"
+
+
+def exp_range(minimum: int, step: int, maximum: int, limit: int) -> list[int]:
+    """Geometric progression min -> max rounded up to multiples of step; 0 or 1 as min is
+    kept verbatim and the progression then starts at step."""
+    if limit <= 1:
+        return [maximum]
+    keep_small = minimum if minimum in (0, 1) else None
+    if keep_small is not None:
+        minimum = step
+    values = set()
+    for i in range(limit):
+        v = minimum * (maximum / minimum) ** (i / (limit - 1))
+        values.add(math.ceil(v / step) * step)
+    if keep_small is not None:
+        values.add(keep_small)
+    out = sorted(values)
+    if out[-1] > maximum:
+        out[-1] = maximum
+    return out
+
+
+def lin_range(minimum: int, step: int, maximum: int) -> list[int]:
+    """Ramp-up by doubling from min while below step, then multiples of step up to max
+    (max is included only if it is a multiple of step, as in the reference)."""
+    if minimum > maximum:
+        raise ValueError(f"bucket min {minimum} > max {maximum}")
+    if minimum == maximum == 0:
+        return [0]
+    keep_zero = minimum == 0
+    if keep_zero:
+        minimum = step
+    ramp = []
+    v = minimum
+    while v < step and v <= maximum:
+        ramp.append(v)
+        v *= 2
+    stable = list(range(step, maximum + 1, step))
+    out = [x for x in ramp + stable if x >= minimum]
+    return sorted(set(out)) + ([0] if keep_zero else [])
+
+
+@dataclass(frozen=True, slots=True)
+class BucketingConfig:
+    """Resolved bucketing inputs: strategy, per-dimension ranges and the engine limits."""
+
+    strategy: str  # exp | lin | file
+    enabled: bool
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prompt: dict[str, DimRange] = field(default_factory=dict)  # keys bs, seq, ctx
+    decode: dict[str, DimRange] = field(default_factory=dict)  # keys bs, block
+    file: str | None = None
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def bucketing_config(env: Mapping[str, str], *, block_size: int, max_model_len: int,
+                     max_num_seqs: int, max_num_batched_tokens: int,
+                     max_prefill_batch: int | None = None) -> BucketingConfig:
+    """Reads the reference's knobs (names and defaults) from an environment mapping."""
+    B, mml, mns, mnbt = block_size, max_model_len, max_num_seqs, max_num_batched_tokens
+    strategy = env.get("VLLM_BUCKETING_STRATEGY", "").lower() or (
+        "lin" if env.get("VLLM_EXPONENTIAL_BUCKETING", "true").lower() in ("false", "0") else "exp")
+    if strategy not in ("exp", "lin"):
+        raise ValueError(f"VLLM_BUCKETING_STRATEGY must be exp or lin, got {strategy!r}")
+    file = env.get("VLLM_BUCKETING_FROM_FILE") or None
+    enabled = env.get("VLLM_ENABLE_BUCKETING", "true").lower() not in ("false", "0")
+    p_bs_max = _int(env, "VLLM_PROMPT_BS_BUCKET_MAX", max_prefill_batch or 1)
+    # Decode blocks: every sequence at full length is the worst case.
+    block_max = max(math.ceil(mml / B) * mns, 1)
+    if strategy == "exp":
+        # exp derives its ranges itself; like the reference, user min/step/max are not read.
+        prompt = {"bs": (1, 2, p_bs_max, math.ceil(math.log2(max(p_bs_max, 1))) + 1),
+                  "seq": (B, B, min(mnbt, mml), max(1, math.ceil(math.log2(min(mnbt, mml)))))}
+        decode = {"bs": (1, 2, mns, math.ceil(math.log2(max(mns, 1))) + 1),
+                  "block": (1, mns, block_max, math.ceil(math.log2(block_max)) + 1)}
+    else:
+        def dim(phase: str, name: str, defaults: tuple[int, int, int]) -> DimRange:
+            lo, st, hi = (_int(env, f"VLLM_{phase}_{name}_BUCKET_{k}", d)
+                          for k, d in zip(("MIN", "STEP", "MAX"), defaults))
+            return (lo, st, hi, 0)
+
+        prompt = {"bs": dim("PROMPT", "BS", (1, 1, p_bs_max)),
+                  "seq": dim("PROMPT", "SEQ", (B, B, min(mnbt, mml)))}
+        decode = {"bs": dim("DECODE", "BS", (1, 32, mns)),
+                  "block": dim("DECODE", "BLOCK", (1, B, max(mml * mns // B, B)))}
+    return BucketingConfig("file" if file else strategy, enabled, B, mml, mns, mnbt,
+                           prompt, decode, file)
+
+
+def _range(cfg: BucketingConfig, r: DimRange) -> list[int]:
+    return exp_range(*r) if cfg.strategy == "exp" else lin_range(*r[:3])
+
+
+def prompt_buckets(cfg: BucketingConfig) -> list[Bucket]:
+    if cfg.file:
+        return [b for b in parse_bucket_file(cfg.file) if b[1] != 1 and _prompt_ok(cfg, b)]
+    candidates = product(_range(cfg, cfg.prompt["bs"]), _range(cfg, cfg.prompt["seq"]), [0])
+    return sorted(b for b in candidates if _prompt_ok(cfg, b))
+
+
+def decode_buckets(cfg: BucketingConfig) -> list[Bucket]:
+    if cfg.file:
+        found = [b for b in parse_bucket_file(cfg.file) if b[1] == 1]
+        return sorted({_cap_decode(cfg, b) for b in found if b[0] <= b[2]})
+    bss = _range(cfg, cfg.decode["bs"])
+    blocks = _range(cfg, cfg.decode["block"])
+    out = {_cap_decode(cfg, (bs, 1, blk)) for bs, blk in product(bss, blocks) if bs <= blk}
+    return sorted(out)
+
+
+def _prompt_ok(cfg: BucketingConfig, b: Bucket) -> bool:
+    bs, q, ctx = b
+    return (bs <= cfg.max_num_seqs and q <= cfg.max_model_len
+            and bs * q <= cfg.max_num_batched_tokens
+            and ctx <= math.ceil((cfg.max_model_len - 1) / cfg.block_size))
+
+
+def _cap_decode(cfg: BucketingConfig, b: Bucket) -> Bucket:
+    # A batch of bs sequences can never reference more than bs full-length tables.
+    bs, q, blocks = b
+    return (bs, q, min(blocks, bs * math.ceil(cfg.max_model_len / cfg.block_size)))
+
+
+_RANGE = re.compile(r"range\(\s*(-?\d+)\s*,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)")
+
+
+def parse_bucket_file(path: str) -> list[Bucket]:
+    """One Python-literal 3-tuple per line; each element an int, a list of ints or
+    ``range(a, b[, s])`` (end-exclusive, as in Python). The line expands to the Cartesian
+    product. Blank lines and ``#`` comments are skipped. Parsed without eval."""
+    buckets: set[Bucket] = set()
+    for lineno, raw in enumerate(Path(path).read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            literal = _RANGE.sub(lambda m: repr(list(range(*(int(g) for g in m.groups() if g)))),
+                                 line)
+            value = ast.literal_eval(literal)
+            dims = [[v] if isinstance(v, int) else list(v) for v in value]
+            if len(dims) != 3 or not all(isinstance(x, int) and x >= 0 for d in dims for x in d):
+                raise ValueError("expected (bs, query, ctx) with non-negative integers")
+        except (ValueError, SyntaxError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: bad bucket line {raw.strip()!r}: {exc}") from None
+        buckets.update(product(*dims))  # type: ignore[arg-type]
+    return sorted(buckets)
+
+
+def config_lines(cfg: BucketingConfig) -> list[str]:
+    """The reference's start-up lines describing the ranges."""
+    if cfg.file:
+        return [f"Bucketing from file: {cfg.file}"]
+    p, d = cfg.prompt, cfg.decode
+    return [
+        f"Prompt bucket config (min, step, max_warmup, limit) bs:{list(p['bs'])}, "
+        f"seq:{list(p['seq'])}",
+        f"Decode bucket config (min, step, max_warmup, limit) bs:{list(d['bs'])}, "
+        f"block:{list(d['block'])}",
+    ]
+
+
+def format_plan(cfg: BucketingConfig) -> str:
+    prompt, decode = prompt_buckets(cfg), decode_buckets(cfg)
+    return "\n".join(config_lines(cfg) + [
+        f"Generated {len(prompt)} prompt buckets [bs, query, num_blocks]: {prompt}",
+        f"Generated {len(decode)} decode buckets [bs, query, num_blocks]: {decode}",
+    ])
