@@ -62,8 +62,43 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
+    """Where and how the model executes."""
+
     device: str = "auto"  # auto | hpu | cuda | cpu
     enforce_eager: bool = False
+    # auto: graphs on HPU/CUDA, eager on CPU (measured no faster compiled, minutes to warm)
+    execution_mode: str = "auto"  # auto | eager | compile | graphs
+    hpu_lazy_mode: bool = True  # PT_HPU_LAZY_MODE
+
+    def __post_init__(self) -> None:
+        if self.execution_mode not in ("auto", "eager", "compile", "graphs"):
+            raise ValueError("--execution-mode must be auto, eager, compile or graphs")
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupConfig:
+    """The reference's warmup / graph-memory knobs, with its defaults."""
+
+    skip: bool = False  # VLLM_SKIP_WARMUP
+    graph_reserved_mem: float = 0.1  # VLLM_GRAPH_RESERVED_MEM
+    graph_prompt_ratio: float = 0.3  # VLLM_GRAPH_PROMPT_RATIO
+    prompt_strategy: str = "min_tokens"  # VLLM_GRAPH_PROMPT_STRATEGY
+    decode_strategy: str = "max_bs"  # VLLM_GRAPH_DECODE_STRATEGY
+
+    def __post_init__(self) -> None:
+        for name in ("graph_reserved_mem", "graph_prompt_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"VLLM_{name.upper()} must be in [0, 1]")
+        for name in ("prompt_strategy", "decode_strategy"):
+            if getattr(self, name) not in ("min_tokens", "max_bs"):
+                raise ValueError(f"VLLM_GRAPH_{name.split('_')[0].upper()}_STRATEGY must be "
+                                 "min_tokens or max_bs")
+
+
+# Environment knobs of the bucketing strategies, passed through untouched (their meaning
+# depends on the model's limits, resolved after loading).
+BUCKETING_ENV_PREFIXES = ("VLLM_PROMPT_", "VLLM_DECODE_", "VLLM_BUCKETING_",
+                          "VLLM_EXPONENTIAL_BUCKETING", "VLLM_ENABLE_BUCKETING")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +109,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    bucketing_env: tuple[tuple[str, str], ...] = ()
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +131,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--device", default="auto", choices=["auto", "hpu", "cuda", "cpu"])
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--execution-mode", default="auto",
+                        choices=["auto", "eager", "compile", "graphs"],
+                        help="auto: HPU/CUDA graphs on accelerators, eager on CPU")
 
 
 def engine_config_from_args(
@@ -120,13 +160,29 @@ def engine_config_from_args(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
         ),
-        device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager),
+        device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
+                            execution_mode=args.execution_mode,
+                            hpu_lazy_mode=_flag(env.get("PT_HPU_LAZY_MODE", "1"))),
+        warmup=WarmupConfig(
+            skip=_flag(env.get("VLLM_SKIP_WARMUP", "false")),
+            graph_reserved_mem=float(env.get("VLLM_GRAPH_RESERVED_MEM", "0.1")),
+            graph_prompt_ratio=float(env.get("VLLM_GRAPH_PROMPT_RATIO", "0.3")),
+            prompt_strategy=env.get("VLLM_GRAPH_PROMPT_STRATEGY", "min_tokens"),
+            decode_strategy=env.get("VLLM_GRAPH_DECODE_STRATEGY", "max_bs"),
+        ),
+        bucketing_env=tuple(sorted(
+            (k, v) for k, v in env.items() if k.startswith(BUCKETING_ENV_PREFIXES))),
     )
 
 
-def make_engine_config(**overrides: object) -> EngineConfig:
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def make_engine_config(environ: Mapping[str, str] | None = None,
+                       **overrides: object) -> EngineConfig:
     """Builds a config from ``vllm serve``-style keyword names (``max_num_seqs=8``...),
-    for the offline ``LLM`` class; unknown names are an error."""
+    for the offline ``LLM`` class; unknown names are an error. Environment knobs apply."""
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)
     args = parser.parse_args([])
@@ -135,7 +191,7 @@ def make_engine_config(**overrides: object) -> EngineConfig:
         if key not in known or key == "model_flag":
             raise TypeError(f"unknown engine option {key!r}")
         setattr(args, key, value)
-    return engine_config_from_args(args)
+    return engine_config_from_args(args, environ)
 
 
 @dataclass(frozen=True, slots=True)

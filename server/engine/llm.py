@@ -26,6 +26,7 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         init_logging()
         self.engine = LLMEngine(make_engine_config(model=model, **options))
+        self.engine.warmup()
         self._ids = itertools.count()
 
     @property

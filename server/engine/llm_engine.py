@@ -20,7 +20,12 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerLimits
 from server.engine.sequence import Sequence
 from server.engine.tokenizer import Tokenizer
+from server.hpu.bucketing import bucketing_config, decode_buckets, format_plan, prompt_buckets
+from server.hpu.counters import DeviceCounters
+from server.hpu.graph_runner import select_runner
 from server.hpu.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from server.hpu.shapes import ShapePlanner
+from server.hpu.warmup import WarmupHooks, run_warmup
 from server.hpu.platform import Platform, detect_platform
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_model_source
 
@@ -69,7 +74,30 @@ class LLMEngine:
             loaded.model, kv_caches, self.block_size, self.block_manager.pad_block_id,
             self.eos_token_ids, self.platform.device,
         )
-        self.scheduler = Scheduler(self.limits, self.block_manager)
+        self.counters = DeviceCounters(self.model_name)
+        self.runner.graphs = select_runner(
+            self.platform.name, config.device.execution_mode, config.device.enforce_eager,
+            self.runner.forward, self.counters, loaded.model, config.device.hpu_lazy_mode,
+        )
+        self.bucketing = bucketing_config(
+            dict(config.bucketing_env), block_size=self.block_size,
+            max_model_len=self.limits.max_model_len, max_num_seqs=self.limits.max_num_seqs,
+            max_num_batched_tokens=self.limits.max_num_batched_tokens, num_blocks=num_blocks,
+        )
+        self.warmup_config = config.warmup
+        prefill_fits = None
+        if self.bucketing.enabled:
+            self.runner.shapes = ShapePlanner(
+                prompt_buckets(self.bucketing), decode_buckets(self.bucketing), self.counters)
+            budget = self.limits.max_num_batched_tokens
+            planner = self.runner.shapes
+
+            def prefill_fits(num_seqs: int, max_tokens: int) -> bool:
+                return planner.prefill_fits(num_seqs, max_tokens, budget)
+
+            for line in format_plan(self.bucketing).splitlines():
+                logger.info("%s", line)
+        self.scheduler = Scheduler(self.limits, self.block_manager, prefill_fits)
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, self.limits.max_model_len
         )
@@ -79,6 +107,18 @@ class LLMEngine:
             num_blocks, self.block_size, num_blocks * self.block_size,
             self.limits.max_model_len, self.limits.max_num_seqs,
         )
+
+    def warmup(self) -> float:
+        """Runs (compiles / captures) every planned bucket and the sampler; call before
+        serving. Returns seconds spent."""
+        shapes = self.runner.shapes
+        buckets = shapes.buckets if shapes is not None else {"prompt": [], "decode": []}
+        hooks = WarmupHooks(self.runner.dummy_inputs, self.runner.warm_sampler,
+                            lambda: self.platform.free_memory_bytes()[0])
+        logger.info("Execution mode: %s", self.runner.graphs.mode)
+        with torch.inference_mode():
+            return run_warmup(buckets, self.runner.graphs, hooks, self.counters,
+                              self.warmup_config)
 
     def add_request(
         self,

@@ -6,6 +6,7 @@ Pure Python: it decides *which* sequences run; the model runner decides *how*.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.engine.block_manager import BlockManager
@@ -31,9 +32,17 @@ class Scheduler:
     to the head of the queue, to be recomputed from its tokens later.
     """
 
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        block_manager: BlockManager,
+        prefill_fits: Callable[[int, int], bool] | None = None,
+    ) -> None:
         self.limits = limits
         self.block_manager = block_manager
+        # Padding-aware admission: (num_seqs, max_tokens) -> whether the padded prefill
+        # batch still has a bucket within the token budget. None: no padding constraint.
+        self.prefill_fits = prefill_fits
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -80,9 +89,13 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
         num_tokens = 0
+        longest = 0
         while self.waiting and len(self.running) + len(seqs) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             if num_tokens + seq.num_tokens > self.limits.max_num_batched_tokens:
+                break
+            longest_with = max(longest, seq.num_tokens)
+            if seqs and self.prefill_fits and not self.prefill_fits(len(seqs) + 1, longest_with):
                 break
             if not self.block_manager.can_allocate(seq.num_tokens):
                 break
@@ -91,6 +104,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seqs.append(seq)
             num_tokens += seq.num_tokens
+            longest = longest_with
         if not seqs:
             return None
         self.running.extend(seqs)

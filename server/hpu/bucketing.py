@@ -87,6 +87,7 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
 
 def bucketing_config(env: Mapping[str, str], *, block_size: int, max_model_len: int,
                      max_num_seqs: int, max_num_batched_tokens: int,
+                     num_blocks: int | None = None,
                      max_prefill_batch: int | None = None) -> BucketingConfig:
     """Reads the reference's knobs (names and defaults) from an environment mapping."""
     B, mml, mns, mnbt = block_size, max_model_len, max_num_seqs, max_num_batched_tokens
@@ -99,6 +100,9 @@ def bucketing_config(env: Mapping[str, str], *, block_size: int, max_model_len: 
     p_bs_max = _int(env, "VLLM_PROMPT_BS_BUCKET_MAX", max_prefill_batch or 1)
     # Decode blocks: every sequence at full length is the worst case.
     block_max = max(math.ceil(mml / B) * mns, 1)
+    if num_blocks is not None:
+        # The reference's "3x physical" clamp: tables of one batch rarely exceed the cache.
+        block_max = min(block_max, 3 * num_blocks)
     if strategy == "exp":
         # exp derives its ranges itself; like the reference, user min/step/max are not read.
         prompt = {"bs": (1, 2, p_bs_max, math.ceil(math.log2(max(p_bs_max, 1))) + 1),

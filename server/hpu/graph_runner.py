@@ -190,3 +190,26 @@ def _copy_inputs(dst: ForwardInputs, src: ForwardInputs) -> None:
         value = getattr(dst.meta, f.name)
         if isinstance(value, torch.Tensor):
             value.copy_(getattr(src.meta, f.name))
+
+
+def select_runner(platform: str, mode: str, enforce_eager: bool, forward: ForwardFn,
+                  counters: DeviceCounters, module: torch.nn.Module,
+                  hpu_lazy_mode: bool = True) -> GraphRunner:
+    """The execution-mode table. HPU follows the reference (PT_HPU_LAZY_MODE x
+    --enforce-eager): lazy + graphs = HPU graphs, lazy + eager = lazy mode, non-lazy + graphs
+    = torch.compile, non-lazy + eager = eager. ``auto`` elsewhere: CUDA graphs on CUDA, eager
+    on CPU (compiled CPU graphs measured no faster for small models while costing seconds of
+    compilation per bucket; ``--execution-mode compile`` opts in)."""
+    eager = enforce_eager or mode == "eager"
+    if platform == "hpu":
+        if hpu_lazy_mode:  # lazy mode compiles recipes even without graphs: count them
+            return HpuGraphRunner(forward, counters, module, use_graphs=not eager)
+        return EagerRunner(forward, counters) if eager else CompiledRunner(
+            forward, counters, backend="hpu_backend")
+    if eager:
+        return EagerRunner(forward, counters)
+    if platform == "cuda" and mode in ("auto", "graphs"):
+        return CudaGraphRunner(forward, counters)
+    if mode == "auto" and platform == "cpu":
+        return EagerRunner(forward, counters)
+    return CompiledRunner(forward, counters)

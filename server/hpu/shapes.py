@@ -37,6 +37,12 @@ class ShapePlanner:
                 return bucket
         return None
 
+    def prefill_fits(self, num_seqs: int, max_tokens: int, token_budget: int) -> bool:
+        """Padding-aware admission: the padded batch must have a bucket, and its padded
+        token count (bs * query) must fit the step's token budget."""
+        bucket = self.find("prompt", num_seqs, max_tokens)
+        return bucket is not None and bucket[0] * bucket[1] <= token_budget
+
     def pad(self, phase: str, exact: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, int]]:
         bs, size = exact
         bucket = self.find(phase, bs, size)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from server.config import WarmupConfig
 from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import ForwardInputs, GraphRunner
 
@@ -23,17 +24,6 @@ GiB = float(1 << 30)
 # with batch_changed True and False = 12 configurations.
 SAMPLER_CONFIGS = ((0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 50), (0.3, 0.95, 20),
                    (1.2, 0.8, 100), (0.8, 0.85, 0))
-
-
-@dataclass(frozen=True, slots=True)
-class WarmupConfig:
-    """The reference's warmup / graph-memory knobs (defaults as documented)."""
-
-    skip: bool = False  # VLLM_SKIP_WARMUP
-    graph_reserved_mem: float = 0.1  # VLLM_GRAPH_RESERVED_MEM
-    graph_prompt_ratio: float = 0.3  # VLLM_GRAPH_PROMPT_RATIO
-    prompt_strategy: str = "min_tokens"  # VLLM_GRAPH_PROMPT_STRATEGY
-    decode_strategy: str = "max_bs"  # VLLM_GRAPH_DECODE_STRATEGY
 
 
 @dataclass(slots=True)
@@ -55,6 +45,11 @@ def run_warmup(buckets: dict[str, Sequence[Bucket]], runner: GraphRunner, hooks:
         counters.set_buckets(phase, "planned", len(buckets[phase]))
     if cfg.skip:
         logger.info("Skipping warmup (VLLM_SKIP_WARMUP=true): shapes compile on first use")
+        counters.stage = "serving"
+        return 0.0
+    if runner.mode == "eager":
+        # Nothing to compile or capture: running every bucket would only burn time.
+        logger.info("Eager execution: no graphs to compile or capture, warmup skipped")
         counters.stage = "serving"
         return 0.0
     for phase, label in (("prompt", "Prompt"), ("decode", "Decode")):
