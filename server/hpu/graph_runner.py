@@ -75,7 +75,7 @@ class CompiledRunner(GraphRunner):
     mode = "compiled"
 
     def __init__(self, forward: ForwardFn, counters: DeviceCounters, backend: str = "inductor",
-                 max_shapes: int = 512) -> None:
+                 max_shapes: int = 512, regions: list[torch.nn.Module] | None = None) -> None:
         super().__init__(forward, counters)
         import torch._dynamo
 
@@ -87,7 +87,15 @@ class CompiledRunner(GraphRunner):
             torch._dynamo.config.accumulated_cache_size_limit, max_shapes)
         self._backend = backend
         self._phase = "prompt"
-        self._compiled = torch.compile(forward, backend=self._counting_backend, dynamic=False)
+        if regions:
+            # Regional compilation: identical layers share one compiled graph per shape, so
+            # warmup compiles a layer, not the whole model, per bucket.
+            for region in regions:
+                region.compile(backend=self._counting_backend, dynamic=False)
+            self._compiled = forward
+        else:
+            self._compiled = torch.compile(forward, backend=self._counting_backend,
+                                           dynamic=False)
 
     def _counting_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.counters.compiled(self._phase)
@@ -212,4 +220,4 @@ def select_runner(platform: str, mode: str, enforce_eager: bool, forward: Forwar
         return CudaGraphRunner(forward, counters)
     if mode == "auto" and platform == "cpu":
         return EagerRunner(forward, counters)
-    return CompiledRunner(forward, counters)
+    return CompiledRunner(forward, counters, regions=list(getattr(module, "layers", [])) or None)
