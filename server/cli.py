@@ -26,18 +26,57 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(serve)
     add_server_args(serve)
+    buckets = sub.add_parser("buckets", help="print the bucket plan of a configuration "
+                             "(no model is loaded)",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    buckets.add_argument("--max-model-len", type=int, default=4096)
+    buckets.add_argument("--max-num-seqs", type=int, default=256)
+    buckets.add_argument("--max-num-batched-tokens", type=int, default=None)
+    buckets.add_argument("--block-size", type=int, default=128)
+    buckets.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                         help="KV blocks of the cache, for the decode block clamp")
+    sub.add_parser("platforms", help="list discovered platforms and the one selected")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("serve", "-h", "--help"):
+    if not argv or argv[0] not in ("serve", "buckets", "platforms", "-h", "--help"):
         argv = ["serve", *argv]  # `python -m server MODEL ...` means serve
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "buckets":
+        return print_buckets(args)
+    if args.command == "platforms":
+        return print_platforms()
     build_parser().print_help()
     return 2
+
+
+def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
+    """The warmup plan for these limits and the VLLM_* bucketing environment."""
+    from server.config import bucketing_environment
+    from server.hpu.bucketing import bucketing_config, format_plan
+
+    batched = args.max_num_batched_tokens or max(args.max_model_len, 2048)
+    cfg = bucketing_config(
+        dict(bucketing_environment(environ)), block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=batched, num_blocks=args.num_gpu_blocks_override,
+    )
+    print(format_plan(cfg))
+    return 0
+
+
+def print_platforms() -> int:
+    from server.hpu.platform import detect_platform, discover_platforms
+
+    for name, platform in sorted(discover_platforms().items()):
+        state = f"available ({platform.device})" if platform is not None else "not available"
+        print(f"{name:<8} {state}")
+    print(f"selected: {detect_platform('auto').name}")
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -129,7 +129,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    parser.add_argument("--device", default="auto", choices=["auto", "hpu", "cuda", "cpu"])
+    parser.add_argument("--device", default="auto",
+                        help="auto, or a platform name: hpu, cuda, cpu or a plugin's")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--execution-mode", default="auto",
                         choices=["auto", "eager", "compile", "graphs"],
@@ -170,9 +171,13 @@ def engine_config_from_args(
             prompt_strategy=env.get("VLLM_GRAPH_PROMPT_STRATEGY", "min_tokens"),
             decode_strategy=env.get("VLLM_GRAPH_DECODE_STRATEGY", "max_bs"),
         ),
-        bucketing_env=tuple(sorted(
-            (k, v) for k, v in env.items() if k.startswith(BUCKETING_ENV_PREFIXES))),
+        bucketing_env=bucketing_environment(env),
     )
+
+
+def bucketing_environment(environ: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    env = os.environ if environ is None else environ
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(BUCKETING_ENV_PREFIXES)))
 
 
 def _flag(value: str) -> bool:

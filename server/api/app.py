@@ -47,6 +47,9 @@ class AppSettings:
 
 def build_app(engine: EngineClient, settings: AppSettings, start_engine: bool = True) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, engine.stats)
+    device_registry = getattr(engine, "metrics_registry", None)
+    if device_registry is not None:  # a registry is itself a collector: fold it in
+        metrics.registry.register(device_registry)
     ctx = ServingContext(engine, settings.model_name, settings.max_model_len, metrics,
                          settings.max_waiting_requests)
 

@@ -70,6 +70,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def metrics_registry(self):  # noqa: ANN201 - prometheus CollectorRegistry
+        """The device layer's counters (compilations, bucket misses...), for /metrics."""
+        return self.engine.counters.registry
+
+    @property
     def is_alive(self) -> bool:
         return self.dead_reason is None and self._thread is not None and self._thread.is_alive()
 

@@ -32,17 +32,55 @@ class Platform:
         return 0, 0
 
 
-def detect_platform(requested: str = "auto") -> Platform:
-    """``auto`` prefers HPU, then CUDA, then CPU."""
-    if requested in ("auto", "hpu") and _hpu_available():
-        return Platform("hpu", torch.device("hpu"))
-    if requested == "hpu":
-        raise RuntimeError("--device hpu: habana_frameworks is not installed or sees no HPU")
-    if requested in ("auto", "cuda") and torch.cuda.is_available():
-        return Platform("cuda", torch.device("cuda", torch.cuda.current_device()))
-    if requested == "cuda":
-        raise RuntimeError("--device cuda: torch sees no CUDA device")
+PLUGIN_GROUP = "hpu_serve.platform_plugins"
+_BUILTIN_ORDER = ("hpu", "cuda")
+
+
+def hpu_plugin() -> Platform | None:
+    return Platform("hpu", torch.device("hpu")) if _hpu_available() else None
+
+
+def cuda_plugin() -> Platform | None:
+    if not torch.cuda.is_available():
+        return None
+    return Platform("cuda", torch.device("cuda", torch.cuda.current_device()))
+
+
+def cpu_plugin() -> Platform | None:
     return Platform("cpu", torch.device("cpu"))
+
+
+def discover_platforms() -> dict[str, Platform | None]:
+    """Every platform registered under the ``hpu_serve.platform_plugins`` entry-point group
+    (the built-ins register the same way as a third party would), mapped to the Platform its
+    plugin function returns, or None where it is not available on this machine."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, Platform | None] = {}
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            found[ep.name] = ep.load()()
+        except Exception:  # a broken plugin must not take the server down
+            found[ep.name] = None
+    if "cpu" not in found:  # running from a source tree without installed metadata
+        found.update(hpu=hpu_plugin(), cuda=cuda_plugin(), cpu=cpu_plugin())
+    return found
+
+
+def detect_platform(requested: str = "auto") -> Platform:
+    """``auto`` prefers HPU, then CUDA, then a third-party platform, then CPU."""
+    found = discover_platforms()
+    if requested != "auto":
+        platform = found.get(requested)
+        if platform is None:
+            known = ", ".join(sorted(found))
+            raise RuntimeError(f"--device {requested}: not available here (platforms: {known})")
+        return platform
+    for name in _BUILTIN_ORDER:
+        if found.get(name) is not None:
+            return found[name]  # type: ignore[return-value]
+    others = sorted(n for n, p in found.items() if p is not None and n != "cpu")
+    return found[others[0]] if others else found["cpu"]  # type: ignore[return-value]
 
 
 def _hpu_available() -> bool:
