@@ -86,7 +86,9 @@ class LLMEngine:
         )
         self.warmup_config = config.warmup
         prefill_fits = None
-        if self.bucketing.enabled:
+        # Padding only pays where shapes are compiled or captured; plain eager PyTorch on
+        # CPU/CUDA would just compute the padding.
+        if self.bucketing.enabled and self.runner.graphs.mode != "eager":
             self.runner.shapes = ShapePlanner(
                 prompt_buckets(self.bucketing), decode_buckets(self.bucketing), self.counters)
             budget = self.limits.max_num_batched_tokens
