@@ -3,6 +3,7 @@ zero compilations (as torch counts them) and matches eager execution token for t
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -65,3 +66,33 @@ def test_batch_beyond_buckets_is_counted_and_correct(engines) -> None:
     assert out_c == out_e and len(out_c) == 4
     assert misses._value.get() > before
     assert counters.compilations(stage="serving") > 0  # the unplanned shape compiled
+
+
+def test_warmup_log_lines_and_skip_warmup(tiny_model, tmp_path, caplog) -> None:
+    path = tmp_path / "one.txt"
+    path.write_text("(1, 32, 0)\n(2, 1, 8)\n")
+    common = dict(dtype="float32", block_size=16, max_num_seqs=2, max_model_len=64,
+                  execution_mode="compile")
+    server_logger = logging.getLogger("server")  # it does not propagate to the root
+    server_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="server"):
+            warmed = LLM(tiny_model[0], environ={"VLLM_BUCKETING_FROM_FILE": str(path)},
+                         **common)
+    finally:
+        server_logger.removeHandler(caplog.handler)
+    text = caplog.text
+    assert "Generated 1 prompt buckets [bs, query, num_blocks]: [(1, 32, 0)]" in text
+    assert "[Warmup][Prompt][1/1] batch_size:1 seq_len:32 free_mem:" in text
+    assert "[Warmup][Decode][1/1] batch_size:2 seq_len:8 free_mem:" in text
+    assert "Warming up sampler with batch sizes: [1, 2] and following configs:" in text
+    assert len({m for m in caplog.messages if "batch_changed=" in m}) == 12
+    assert "Warmup finished in" in text
+    assert warmed.engine.counters.compilations(stage="warmup") == 2
+
+    skipped = LLM(tiny_model[0], environ={"VLLM_BUCKETING_FROM_FILE": str(path),
+                                          "VLLM_SKIP_WARMUP": "true"}, **common)
+    assert skipped.engine.counters.compilations() == 0
+    skipped.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    # without warmup the shapes compile on first use, and the counters say so
+    assert skipped.engine.counters.compilations(stage="serving") == 2
