@@ -230,6 +230,7 @@ class LLMEngine:
         return IncrementalDetokenizer(
             self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
             stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
 
     def _num_kv_blocks(self, config: EngineConfig, loaded: LoadedModel) -> int:

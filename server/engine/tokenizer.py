@@ -4,82 +4,131 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+# File suffixes that mark a --chat-template value as a path rather than Jinja text.
+_TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".tmpl", ".txt")
+
 
 class Tokenizer:
-    """Wraps a transformers tokenizer: encode, decode, chat template, EOS ids."""
+    """Wraps a transformers tokenizer: encode, decode, chat template, EOS ids.
 
-    def __init__(self, hf: Any, chat_template: str | None = None,
-                 extra_eos_ids: tuple[int, ...] = ()) -> None:
+    ``eos_token_ids`` is the tokenizer's EOS plus any extra ids (``generation_config.json``'s
+    ``eos_token_id`` when the model folder has one, or ``extra_eos_ids`` passed in).
+    """
+
+    def __init__(
+        self, hf: Any, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()
+    ) -> None:
         self.hf = hf
         if chat_template is not None:
             self.hf.chat_template = _read_template(chat_template)
-        eos = {hf.eos_token_id} if hf.eos_token_id is not None else set()
-        self.eos_token_ids: frozenset[int] = frozenset(eos | set(extra_eos_ids))
+        eos = {int(hf.eos_token_id)} if hf.eos_token_id is not None else set()
+        self.eos_token_ids: frozenset[int] = frozenset(eos | {int(i) for i in extra_eos_ids})
         self.bos_token_id: int | None = hf.bos_token_id
-        self.vocab_size = len(hf)
+        self.vocab_size: int = len(hf)
+        self._token_str_cache: dict[int, str] = {}
 
     @classmethod
     def from_model_path(
-        cls, path: str, gguf_file: str | None = None, chat_template: str | None = None
+        cls,
+        path: str,
+        gguf_file: str | None = None,
+        chat_template: str | None = None,
+        extra_eos_ids: Iterable[int] = (),
     ) -> Tokenizer:
-        """From a HF folder, or from the folder of a GGUF file plus its name."""
+        """From a HF folder (tokenizer.json, ...), or from the folder of a GGUF file plus its
+        name. Never downloads: ``path`` must be a local folder."""
         from transformers import AutoTokenizer
 
+        if not os.path.isdir(path):
+            raise ValueError(f"tokenizer folder {path!r} does not exist")
+        kwargs: dict[str, Any] = {"local_files_only": True}
         if gguf_file is not None:
-            hf = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-        else:
-            hf = AutoTokenizer.from_pretrained(path)
-        return cls(hf, chat_template, _generation_config_eos(path))
+            kwargs["gguf_file"] = gguf_file
+        hf = AutoTokenizer.from_pretrained(path, **kwargs)
+        extra = (*_generation_config_eos(path), *extra_eos_ids)
+        return cls(hf, chat_template, extra)
 
     @classmethod
-    def from_hf(cls, hf: Any, chat_template: str | None = None) -> Tokenizer:
-        return cls(hf, chat_template)
+    def from_hf(
+        cls, hf_tokenizer: Any, chat_template: str | None = None, extra_eos_ids: Iterable[int] = ()
+    ) -> Tokenizer:
+        """Wraps an already-built transformers tokenizer."""
+        return cls(hf_tokenizer, chat_template, extra_eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with BOS etc. when ``add_special_tokens``)."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``; incomplete UTF-8 at either end comes out as U+FFFD."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_str(self, token_id: int) -> str:
-        """Text of one token on its own, as logprobs report it."""
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        """Text of one token on its own, as logprobs report it (cached per id).
+
+        A byte-level token holding part of a multi-byte character decodes to U+FFFD.
+        """
+        text = self._token_str_cache.get(token_id)
+        if text is None:
+            text = self.hf.decode([token_id], skip_special_tokens=False)
+            self._token_str_cache[token_id] = text
+        return text
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return list(self.hf.convert_ids_to_tokens(ids))
+        """Raw vocabulary strings (e.g. ``Ġworld``, ``▁world``) of ``ids``."""
+        return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        if not getattr(self.hf, "chat_template", None):
+        """Prompt text for ``messages``; content may be a str or a list of text parts.
+
+        Raises ``ValueError`` when the tokenizer has no chat template or a part isn't text.
+        """
+        if not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; pass --chat-template "
                 "or use the completions API"
             )
-        return self.hf.apply_chat_template(
+        text = self.hf.apply_chat_template(
             [_flatten_content(m) for m in messages],
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+        if not isinstance(text, str):  # some versions hand back a one-element list
+            text = text[0] if isinstance(text, list) and text else str(text)
+        return text
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        # The template already writes BOS where the model wants one.
+        """Token ids of the chat prompt; the template already writes BOS where wanted."""
         text = self.apply_chat_template(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content-part arrays become one string (text parts joined)."""
+    if not isinstance(message, dict):
+        raise ValueError("each chat message must be an object with 'role' and 'content'")
     content = message.get("content")
     if isinstance(content, list):
         texts = []
         for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError("only text content parts are supported")
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"only text content parts are supported, got {kind!r}")
             texts.append(str(part.get("text", "")))
         message = dict(message, content="".join(texts))
     elif content is None:
@@ -88,16 +137,24 @@ def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_template(template: str) -> str:
+    """A Jinja string as-is, or the contents of the file it names."""
     if os.path.isfile(template):
-        return Path(template).read_text()
+        return Path(template).read_text(encoding="utf-8")
+    if "{" not in template and template.endswith(_TEMPLATE_SUFFIXES):
+        raise ValueError(f"chat template file {template!r} does not exist")
     return template
 
 
 def _generation_config_eos(path: str) -> tuple[int, ...]:
+    """``eos_token_id`` (int or list) of ``generation_config.json`` in ``path``, if any."""
     gen = Path(path) / "generation_config.json"
     if not gen.is_file():
         return ()
-    eos = json.loads(gen.read_text()).get("eos_token_id")
+    try:
+        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError):
+        return ()
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    items = eos if isinstance(eos, list) else [eos]
+    return tuple(int(i) for i in items if isinstance(i, int))

@@ -1,4 +1,11 @@
+"""The tokenizer wrapper: GGUF and HF folders, chat templates, EOS ids, token strings."""
+
 from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +34,8 @@ def test_gguf_tokenizer_and_chat_template(smol: Tokenizer) -> None:
 
 def test_chat_template_override_and_missing_template(tiny_model, tmp_path) -> None:
     tok = Tokenizer.from_model_path(tiny_model[0])
-    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|user|>x</s><|assistant|>"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "x"}])
+    assert prompt == "<|user|>x</s><|assistant|>"
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     over = Tokenizer.from_model_path(tiny_model[0], chat_template=str(template))
@@ -39,12 +47,45 @@ def test_chat_template_override_and_missing_template(tiny_model, tmp_path) -> No
         over.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
 
 
-def test_generation_config_eos_ids_are_added(tiny_model, tmp_path) -> None:
-    import json
-    import shutil
-
-    for f in __import__("pathlib").Path(tiny_model[0]).iterdir():
+@pytest.mark.parametrize("eos", [[1, 5], 5])
+def test_generation_config_eos_ids_are_added(tiny_model, tmp_path, eos) -> None:
+    for f in Path(tiny_model[0]).iterdir():
         shutil.copy(f, tmp_path / f.name)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
-    tok = Tokenizer.from_model_path(str(tmp_path))
-    assert {1, 5} <= tok.eos_token_ids
+    plain = Tokenizer.from_model_path(str(tmp_path))
+    assert 5 not in plain.eos_token_ids
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    tok = Tokenizer.from_model_path(str(tmp_path), extra_eos_ids=[7])
+    assert tok.eos_token_ids == plain.eos_token_ids | {5, 7}
+
+
+def test_from_hf_wraps_a_built_tokenizer(tiny_model) -> None:
+    hf = tiny_model[2]
+    tok = Tokenizer.from_hf(hf, extra_eos_ids=(3,))
+    assert tok.hf is hf and tok.vocab_size == len(hf)
+    assert tok.eos_token_ids == {hf.eos_token_id, 3} and tok.bos_token_id == hf.bos_token_id
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert tok.decode(ids) == "hello world"
+    assert tok.decode([hf.eos_token_id] + ids) == "hello world"
+    assert tok.decode([hf.eos_token_id] + ids, skip_special_tokens=False).startswith("</s>")
+
+
+def test_token_strings(smol: Tokenizer) -> None:
+    ids = smol.encode("Hello world 日本", add_special_tokens=False)
+    strs = [smol.token_str(i) for i in ids]
+    assert strs[:2] == ["Hello", " world"]
+    assert "\ufffd" in "".join(strs)  # a token holding part of a CJK character
+    assert smol.convert_ids_to_tokens(ids[:2]) == ["Hello", "Ġworld"]
+    assert smol.token_str(2) == "<|im_end|>"  # special tokens are shown, not skipped
+
+
+def test_chat_template_edge_cases(tiny_model, tmp_path) -> None:
+    template = "{{ messages[0]['content'] }}!"  # a Jinja string, not a file
+    tok = Tokenizer.from_hf(copy.deepcopy(tiny_model[2]), chat_template=template)
+    assert tok.apply_chat_template([{"role": "user", "content": None}]) == "!"
+    assert tok.apply_chat_template([{"role": "user", "content": []}]) == "!"
+    assert tok.encode_chat([{"role": "user", "content": "hello"}]) == tok.encode(
+        "hello!", add_special_tokens=False)
+    with pytest.raises(ValueError, match="does not exist"):
+        Tokenizer.from_hf(copy.deepcopy(tiny_model[2]), chat_template=str(tmp_path / "no.jinja"))
+    with pytest.raises(ValueError, match="does not exist"):
+        Tokenizer.from_model_path(str(tmp_path / "missing"))
