@@ -6,7 +6,10 @@ They live in the device layer's own registry; the HTTP layer folds that registry
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+
+# vLLM exposes no *_created series; neither do we (they double every counter).
+disable_created_metrics()
 
 PHASES = ("prompt", "decode", "sampler")
 
