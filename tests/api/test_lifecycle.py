@@ -53,13 +53,14 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_model, start_serve
     started = threading.Event()
 
     def stream() -> None:
-        body = {"prompt": "the quick", "stream": True, "max_tokens": 150, "ignore_eos": True}
+        body = {"prompt": "the quick", "stream": True, "max_tokens": 450, "ignore_eos": True}
         with httpx.stream("POST", srv.base_url + "/v1/completions", json=body,
                           timeout=120) as resp:
             chunks = []
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[6:]))
+                    result["last_chunk_at"] = time.monotonic()
                     started.set()
                 result["done"] = line == "data: [DONE]" or result.get("done", False)
             result["chunks"] = chunks
@@ -67,10 +68,12 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_model, start_serve
     thread = threading.Thread(target=stream)
     thread.start()
     assert started.wait(60)
+    signalled_at = time.monotonic()
     code = srv.stop()  # SIGTERM while the stream is mid-way
     thread.join(60)
     assert code == 0
     assert result["done"]
     reasons = [c["choices"][0]["finish_reason"] for c in result["chunks"] if c["choices"]]
     assert reasons[-1] == "length"
+    assert result["last_chunk_at"] > signalled_at  # tokens kept coming after the signal
     assert not can_connect(srv.port)
