@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -82,7 +83,31 @@ def _request_id(request: Request) -> str:
     return str(request.scope.get("state", {}).get("request_id"))
 
 
+async def _until_disconnect(request: Request, work: Awaitable[object]) -> object:
+    """Runs a handler but cancels it if the client goes away first: the cancelled iteration
+    aborts the engine request, so an abandoned non-streaming request stops using KV blocks."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nobody is listening any more
+    return task.result()
+
+
 def _respond(result: object) -> Response:
+    if isinstance(result, Response):
+        return result
     if hasattr(result, "__aiter__"):
         return StreamingResponse(result, media_type="text/event-stream",  # type: ignore[arg-type]
                                  headers={"Cache-Control": "no-cache"})
@@ -98,11 +123,13 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return _respond(await create_chat_completion(ctx, body, _request_id(request)))
+        work = create_chat_completion(ctx, body, _request_id(request))
+        return _respond(await _until_disconnect(request, work))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return _respond(await create_completion(ctx, body, _request_id(request)))
+        work = create_completion(ctx, body, _request_id(request))
+        return _respond(await _until_disconnect(request, work))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -114,3 +114,26 @@ def test_metrics_counters_match_usage(server) -> None:
                  "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
                  "vllm:request_queue_time_seconds_count"):
         assert name in after
+
+
+def test_disconnect_before_a_non_streamed_reply_aborts_it(server) -> None:
+    import json as _json
+    import socket
+
+    body = _json.dumps({"prompt": "the quick", "max_tokens": 450, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    aborts = scrape(server).get("vllm:request_success_total{finished_reason=abort}", 0.0)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request + body)
+        deadline = time.monotonic() + 20
+        while scrape(server)["vllm:num_requests_running"] == 0:  # until it is generating
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    deadline = time.monotonic() + 20
+    while scrape(server)["vllm:num_requests_running"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    m = scrape(server)
+    assert m["vllm:kv_cache_usage_perc"] == 0.0
+    assert m["vllm:request_success_total{finished_reason=abort}"] == aborts + 1
