@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from server.models.config import ModelConfig
 from server.models.llama import LlamaForCausalLM
+from server.models.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +174,10 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
         model = LlamaForCausalLM(cfg)
     model.to_empty(device=device)
     model.to(torch_dtype)
-    # RoPE tables are buffers computed at init: rebuild them for real on the device.
-    model.rotary.__init__(  # type: ignore[misc]
+    # RoPE tables are buffers computed at init (in float32): build them for real.
+    model.rotary = RotaryEmbedding(
         cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-    )
-    model.rotary.to(device)
+    ).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     tensors = _gguf_tensors(reader, cfg) if reader is not None else _safetensors(source)
@@ -194,6 +194,9 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     )
     return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds)
 
+
+# Pseudo-name under which the GGUF rope_freqs tensor reaches _load_into.
+ROPE_FREQ_FACTORS = "rotary.freq_factors"
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -212,6 +215,9 @@ def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
     for hf_name, tensor in tensors:
         name = hf_name.removeprefix("model.")
         if "rotary_emb" in name:
+            continue
+        if name == ROPE_FREQ_FACTORS:
+            model.rotary.apply_freq_factors(tensor.flatten())
             continue
         match = re.match(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", name)
         if match:
@@ -283,6 +289,8 @@ def _gguf_tensors(reader: object, cfg: ModelConfig) -> Iterator[tuple[str, torch
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
         weights = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
         name = _gguf_to_hf_name(t.name)
+        if t.name == "rope_freqs.weight":
+            name = ROPE_FREQ_FACTORS
         if name is None:
             continue
         if unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):

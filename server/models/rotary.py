@@ -45,12 +45,24 @@ class RotaryEmbedding(torch.nn.Module):
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
+        self.max_positions = max_positions
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        cos, sin = self._tables(inv_freq)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        return emb.cos(), emb.sin()
+
+    def apply_freq_factors(self, factors: torch.Tensor) -> None:
+        """llama.cpp's ``rope_freqs`` tensor: per-frequency divisors (how GGUF files carry
+        Llama 3.1's RoPE scaling)."""
+        self.inv_freq = self.inv_freq / factors.to(self.inv_freq)
+        self.cos, self.sin = self._tables(self.inv_freq)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

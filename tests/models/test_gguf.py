@@ -1,0 +1,95 @@
+"""The GGUF path on a file written here: llama.cpp's layout (permuted Q/K, rope_freqs for
+Llama 3.1 scaling) must load into the same logits transformers computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from server.models.loader import load_model, resolve_model_source
+from server.models.rotary import rope_inv_freq
+
+SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=64)
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's conversion of HF Q/K rows to its interleaved RoPE layout."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path: Path, hf_model) -> None:
+    import gguf
+
+    cfg = hf_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    base = rope_inv_freq(head_dim, float(cfg.rope_parameters["rope_theta"]), None)
+    scaled = rope_inv_freq(head_dim, float(cfg.rope_parameters["rope_theta"]), SCALING)
+    writer.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
+    names = {"embed_tokens": "token_embd", "norm": "output_norm"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.float().numpy()
+        if name == "lm_head.weight":
+            gguf_name = "output.weight"
+        elif name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            part = rest.rsplit(".", 1)[0]
+            gguf_name = f"blk.{layer}.{parts[part]}.weight"
+            if part == "self_attn.q_proj":
+                array = permute(array, cfg.num_attention_heads)
+            elif part == "self_attn.k_proj":
+                array = permute(array, cfg.num_key_value_heads)
+        else:
+            gguf_name = names[name.split(".")[1]] + ".weight"
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_with_permuted_qk_and_rope_freqs_matches_transformers(tiny_model_factory,
+                                                                   tmp_path: Path) -> None:
+    _, hf_model, _ = tiny_model_factory(tie=False, rope_scaling=SCALING)
+    path = tmp_path / "tiny-llama31.gguf"
+    write_gguf(path, hf_model)
+    loaded = load_model(resolve_model_source(str(path)), "float32", torch.device("cpu"))
+    assert not loaded.config.tie_word_embeddings and loaded.config.num_kv_heads == 2
+    ids = torch.randint(3, hf_model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf_model(ids).logits[0]
+    from server.engine.block_manager import BlockManager
+    from server.engine.model_runner import ModelRunner
+    from server.engine.sampling_params import SamplingParams
+    from server.engine.sequence import Sequence
+    from server.hpu.kv_cache import allocate_kv_cache
+
+    cfg = loaded.config
+    bm = BlockManager(16, 16)
+    kv = allocate_kv_cache(cfg.num_layers, 16, 16, cfg.num_kv_heads, cfg.head_dim,
+                           torch.float32, torch.device("cpu"))
+    runner = ModelRunner(loaded.model, kv, 16, bm.pad_block_id, frozenset(), torch.device("cpu"))
+    seq = Sequence(0, "r", 0, ids[0].tolist(), SamplingParams(), 0.0)
+    bm.allocate(seq)
+    with torch.inference_mode():
+        ours = runner.forward(runner.prepare_prefill([seq]))[0]
+    # position 199 is far beyond original_max_position_embeddings=64: scaling matters here
+    torch.testing.assert_close(ours, ref[-1], atol=2e-4, rtol=1e-4)
