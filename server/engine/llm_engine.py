@@ -24,9 +24,9 @@ from server.hpu.bucketing import bucketing_config, decode_buckets, format_plan, 
 from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import select_runner
 from server.hpu.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from server.hpu.platform import Platform, detect_platform
 from server.hpu.shapes import ShapePlanner
 from server.hpu.warmup import WarmupHooks, run_warmup
-from server.hpu.platform import Platform, detect_platform
 from server.models.loader import LoadedModel, ModelSource, load_model, resolve_model_source
 
 logger = logging.getLogger(__name__)

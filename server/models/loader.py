@@ -165,10 +165,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     """Builds the model on the meta device, then fills it from the checkpoint."""
     start = time.monotonic()
     reader = _gguf_reader(source) if source.is_gguf else None
-    if reader is not None:
-        cfg = gguf_model_config(reader)
-    else:
-        cfg = load_model_config(source)
+    cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
     torch_dtype = resolve_dtype(dtype, cfg, source, device.type)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)

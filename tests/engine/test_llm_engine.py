@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from server import LLM, SamplingParams
