@@ -121,3 +121,13 @@ def test_padding_example_of_the_bucketing_document() -> None:
     key, padded = planner.pad("prompt", (1, 4096))
     assert padded == (1, 4096)
     assert planner.counters._misses.labels("m", "prompt")._value.get() == 1
+
+
+def test_shipped_example_bucket_file_parses() -> None:
+    example = Path(__file__).resolve().parents[2] / "config" / "buckets.example.txt"
+    buckets = parse_bucket_file(str(example))
+    prompts = [b for b in buckets if b[1] != 1]
+    decodes = [b for b in buckets if b[1] == 1]
+    assert (1, 2048, 0) in prompts and (4, 256, 0) in prompts and len(prompts) == 9
+    assert (8, 1, 104) in decodes and (32, 1, 480) in decodes
+    assert all(blocks < 544 for _, _, blocks in decodes)
