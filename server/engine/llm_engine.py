@@ -50,6 +50,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         torch.manual_seed(config.model.seed)
         self.platform: Platform = detect_platform(config.device.device)
+        self.platform.prepare_process()
         self.source: ModelSource = resolve_model_source(config.model.model)
         self.model_name = config.model.served_model_name or self.source.name
         loaded = load_model(self.source, config.model.dtype, self.platform.device)

@@ -5,6 +5,11 @@ Every tensor's shape depends on the padded batch shape alone (``[bs, q]`` for pr
 bucket covers every batch padded to it. Decode is the "flat paged attention" of vLLM's Gaudi
 backend: the blocks of all sequences form one flat list, a one-hot ``block_mapping`` matrix
 turns per-sequence reductions into dense matmuls.
+
+Cache layout, per layer: K and V are ``[num_blocks + 1, Hkv, block_size, D]``. Head-major
+blocks make a gathered block a ready ``[Hkv, B, D]`` matmul operand (a token-major layout
+costs a transposing copy of every gathered block, per layer, per step), and a block is one
+contiguous row, so gathering is a plain 2-D row gather.
 """
 
 from __future__ import annotations
@@ -19,20 +24,28 @@ import torch.nn.functional as F
 class AttentionMetadata:
     """Device tensors describing where a padded batch's K/V live.
 
-    Layout of the KV cache (per layer): K and V are ``[num_slots, num_kv_heads, head_dim]``
-    with ``num_slots = (num_blocks + 1) * block_size``; block ``num_blocks`` is the padding
-    block that pad tokens write into and pad entries read from (no negative indices).
+    A slot is ``block * block_size + offset``; block ``num_blocks`` is the padding block that
+    pad tokens write into and pad entries read from (no negative indices).
     """
 
     is_prompt: bool
     block_size: int
     # [bs * q] cache slot of every input token (prefill) or [bs] (decode); pads -> pad block
     slot_mapping: torch.Tensor
+    # the same slots split into (block, offset) once per step rather than once per layer
+    slot_block: torch.Tensor | None = None
+    slot_offset: torch.Tensor | None = None
     # decode only, N = padded number of blocks of the whole batch:
     block_list: torch.Tensor | None = None  # [N] physical block ids, pad = pad block
     block_groups: torch.Tensor | None = None  # [N] owning row in the batch, pad = bs
     block_mapping: torch.Tensor | None = None  # [N, bs] one-hot of block_groups, model dtype
     block_bias: torch.Tensor | None = None  # [N, block_size] 0 for valid slots, -inf-ish else
+
+    def __post_init__(self) -> None:
+        if self.slot_block is None:
+            self.slot_block = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+        if self.slot_offset is None:
+            self.slot_offset = self.slot_mapping % self.block_size
 
 
 def write_kv(
@@ -40,11 +53,12 @@ def write_kv(
     v_cache: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    meta: AttentionMetadata,
 ) -> None:
     """Scatter new K/V (``[T, Hkv, D]``) into their cache slots, one op per tensor."""
-    k_cache.index_copy_(0, slot_mapping, key)
-    v_cache.index_copy_(0, slot_mapping, value)
+    index = (meta.slot_block, slice(None), meta.slot_offset)
+    k_cache[index] = key
+    v_cache[index] = value
 
 
 def prompt_attention(
@@ -86,17 +100,17 @@ def flat_paged_attention(
     groups = num_q_heads // num_kv_heads
     block_size = meta.block_size
     num_blocks = meta.block_list.shape[0]
+    block_shape = (num_blocks, num_kv_heads, block_size, head_dim)
 
     # batch2block: every block gets its sequence's query.
     q_blk = meta.block_mapping @ (query * scale).reshape(bs, num_q_heads * head_dim)
     q_blk = q_blk.view(num_blocks, num_kv_heads, groups, head_dim)
 
-    k_blocks = k_cache.view(-1, block_size, num_kv_heads, head_dim)
-    v_blocks = v_cache.view(-1, block_size, num_kv_heads, head_dim)
-    keys = k_blocks.index_select(0, meta.block_list).permute(0, 2, 3, 1)  # [N, Hkv, D, B]
-    values = v_blocks.index_select(0, meta.block_list).transpose(1, 2)  # [N, Hkv, B, D]
+    # 2-D row gathers: the N-D index_select takes a much slower element-wise path on CPU.
+    keys = k_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
+    values = v_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
 
-    scores = torch.matmul(q_blk, keys).float()  # [N, Hkv, G, B]
+    scores = torch.matmul(q_blk, keys.transpose(-1, -2)).float()  # [N, Hkv, G, B]
     scores = scores + meta.block_bias.view(num_blocks, 1, 1, block_size)
     block_max = scores.amax(dim=-1)  # [N, Hkv, G]
 

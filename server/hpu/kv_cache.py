@@ -21,12 +21,12 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, K and V as ``[(num_blocks + 1) * block_size, Hkv, D]``.
+    """Per layer, K and V as ``[num_blocks + 1, Hkv, block_size, D]`` (see attention.py).
 
     The extra block (id ``num_blocks``) is the padding block. Zero-filled because masked
     slots still flow through matmuls: uninitialised NaNs would poison them (0 * NaN).
     """
-    shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
+    shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)

@@ -31,6 +31,13 @@ class Platform:
             return int(free), int(total)
         return 0, 0
 
+    def prepare_process(self) -> None:
+        """Process-wide settings the platform wants before the model runs."""
+        if self.name == "cpu":
+            from server.hpu.host_memory import tune_host_allocator
+
+            tune_host_allocator()  # activations live in host memory: keep pages mapped
+
 
 PLUGIN_GROUP = "hpu_serve.platform_plugins"
 _BUILTIN_ORDER = ("hpu", "cuda")

@@ -60,7 +60,7 @@ class Attention(nn.Module):
         value = value.reshape(-1, self.num_kv_heads, self.head_dim)
         query, key = rotary(positions.view(-1), query, key)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        write_kv(k_cache, v_cache, key, value, meta)
         if meta.is_prompt:
             out = prompt_attention(
                 query.view(bs, q_len, self.num_heads, self.head_dim),

@@ -36,8 +36,11 @@ def test_flat_paged_attention_matches_dense(pad_rows: int, pad_blocks: int) -> N
     rng.shuffle(free)
     bm._free.clear()
     bm._free.extend(free)
-    k_cache = torch.randn((num_blocks + 1) * BLOCK, HKV, D)
-    v_cache = torch.randn((num_blocks + 1) * BLOCK, HKV, D)
+    k_cache = torch.randn(num_blocks + 1, HKV, BLOCK, D)
+    v_cache = torch.randn(num_blocks + 1, HKV, BLOCK, D)
+    # the same cache as token rows [slot, Hkv, D], for the dense reference
+    k_rows = k_cache.transpose(1, 2).reshape(-1, HKV, D)
+    v_rows = v_cache.transpose(1, 2).reshape(-1, HKV, D)
     seqs = []
     for i, n in enumerate([1, 4, 5, 11, 17]):
         seq = Sequence(i, str(i), 0, [1] * n, SamplingParams(), 0.0)
@@ -54,7 +57,7 @@ def test_flat_paged_attention_matches_dense(pad_rows: int, pad_blocks: int) -> N
     assert out.shape == query.shape
     for row, seq in enumerate(seqs):
         slots = [seq.block_table[t // BLOCK] * BLOCK + t % BLOCK for t in range(seq.num_tokens)]
-        ref = dense_attention(query[row], k_cache[slots], v_cache[slots], D**-0.5)
+        ref = dense_attention(query[row], k_rows[slots], v_rows[slots], D**-0.5)
         torch.testing.assert_close(out[row], ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()  # padding rows stay finite too
     # padding must only ever touch the pad block
@@ -77,3 +80,17 @@ def test_prompt_attention_is_causal_and_ignores_right_padding() -> None:
     for t in range(6):
         ref = dense_attention(q[0, t], k[0, : t + 1], v[0, : t + 1], D**-0.5)
         torch.testing.assert_close(out[0, t], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_lands_in_block_offset_and_nowhere_else() -> None:
+    from server.hpu.attention import AttentionMetadata, write_kv
+
+    torch.manual_seed(2)
+    k_cache, v_cache = torch.zeros(6, HKV, BLOCK, D), torch.zeros(6, HKV, BLOCK, D)
+    slots = torch.tensor([0, 5, 7, 22, 13])  # blocks 0, 1, 1, 5, 3
+    key, value = torch.randn(5, HKV, D), torch.randn(5, HKV, D)
+    write_kv(k_cache, v_cache, key, value, AttentionMetadata(True, BLOCK, slots))
+    for i, slot in enumerate(slots.tolist()):
+        torch.testing.assert_close(k_cache[slot // BLOCK, :, slot % BLOCK], key[i])
+        torch.testing.assert_close(v_cache[slot // BLOCK, :, slot % BLOCK], value[i])
+    assert int((k_cache.abs().sum(dim=(1, 3)) > 0).sum()) == len(slots)
