@@ -12,9 +12,10 @@ from server.hpu.attention import (
     write_kv,
 )
 from server.models.config import ModelConfig
-from server.models.rotary import RotaryEmbedding
+from server.models.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]
 
 
 class RMSNorm(nn.Module):
@@ -46,19 +47,19 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x ``[bs, q, hidden]`` (q == 1 for decode) -> same shape."""
         bs, q_len, _ = x.shape
-        qkv = self.qkv_proj(x.view(bs * q_len, -1))
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(-1, self.num_heads, self.head_dim)
-        key = key.view(-1, self.num_kv_heads, self.head_dim)
-        value = value.reshape(-1, self.num_kv_heads, self.head_dim)
-        query, key = rotary(positions.view(-1), query, key)
+        heads = self.qkv_proj(x.view(bs * q_len, -1)).view(
+            bs * q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        )
+        # Queries and keys are rotated as one tensor: half the elementwise ops per layer.
+        qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *rope)
+        query, key = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        value = heads[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, key, value, meta)
         if meta.is_prompt:
@@ -96,12 +97,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -131,8 +131,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions.reshape(-1), x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -64,18 +64,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.inv_freq = self.inv_freq / factors.to(self.inv_freq)
         self.cos, self.sin = self._tables(self.inv_freq)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]``; query ``[T, Hq, D]``, key ``[T, Hkv, D]``."""
-        # Tables are float32; like the reference implementation, the rotation itself runs in
-        # the activations' dtype.
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(query.dtype)
-        sin = self.sin.index_select(0, positions).unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` for positions ``[T]``, looked up once per forward pass and
+        shared by every layer. Tables are float32; like the reference implementation, the
+        rotation itself runs in the activations' dtype."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on ``[T, H, D]``; queries and keys go through in one call."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

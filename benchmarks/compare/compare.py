@@ -1,0 +1,232 @@
+"""Same workload against hpu-serve and the CPU peers that are installed, interleaved, in one run.
+
+    python benchmarks/compare/compare.py [--concurrency 1 4 16 64] [--rounds 2]
+
+Starts every server on a loopback port with the same model file (the embedded SmolLM2 GGUF;
+transformers gets the same weights converted once to a HF folder), then for each round, each
+concurrency and each server in turn runs `hpu-serve bench`'s workload (seeded ~200-token
+prompts, 128 streamed output tokens, EOS ignored) and prints ratios. See README.md here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from server.bench.cli import load_tokenizer
+from server.bench.client import Endpoint
+from server.bench.runner import run_workload
+from server.bench.workload import WorkloadSpec, synthetic_requests
+from server.models.loader import resolve_model_source
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    health: str = "/health"
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    ready_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_dir: Path, timeout: float = 1800) -> None:
+        self.log = log_dir / f"{self.name}.log"
+        start = time.monotonic()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **self.env}, start_new_session=True)
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - start
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready in {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def hf_folder_from_gguf(folder: str, gguf_file: str, out: Path) -> Path:
+    """transformers serve cannot take this GGUF directly (its config has no architectures),
+    so the same weights are saved once as a HF folder."""
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file).save_pretrained(out)
+    return out
+
+
+def python_has(python: str, module: str) -> bool:
+    if not python or not Path(python).exists():
+        return False
+    probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, check=False)
+    return probe.returncode == 0
+
+
+def build_servers(args: argparse.Namespace, work: Path) -> list[Server]:
+    source = resolve_model_source(args.model)
+    gguf = str(Path(source.folder) / source.gguf_file) if source.gguf_file else None
+    threads = str(args.threads)
+    servers = [Server("hpu-serve", [
+        sys.executable, "-m", "server", "serve", *([args.model] if args.model else []),
+        "--host", "127.0.0.1", "--port", str(port := free_port()), *args.hpu_serve_args,
+    ], port)]
+    if "llama-server" in args.peers and gguf and (exe := shutil.which(args.llama_server)):
+        # continuous batching over parallel slots; each slot gets the full context
+        servers.append(Server("llama-server", [
+            exe, "-m", gguf, "--host", "127.0.0.1", "--port", str(port := free_port()),
+            "-t", threads, "-tb", threads, "-np", str(max(args.concurrency)), "-cb",
+            "-c", str(max(args.concurrency) * (args.input_len + args.output_len + 64)),
+        ], port))
+    if "llama-cpp-python" in args.peers and gguf and python_has(args.peer_python,
+                                                                 "llama_cpp.server"):
+        # Requests queue instead of interrupting each other (its default cancels the running
+        # request when a new one arrives, which would make it look fast and wrong).
+        servers.append(Server("llama-cpp-python", [
+            args.peer_python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+            "--port", str(port := free_port()), "--n_ctx", "4096", "--n_threads", threads,
+            "--n_threads_batch", threads, "--interrupt_requests", "False",
+        ], port, health="/v1/models"))
+    tf_cli = Path(args.peer_python).parent / "transformers" if args.peer_python else None
+    if "transformers" in args.peers and tf_cli and tf_cli.exists() and python_has(
+            args.peer_python, "fastapi") and source.gguf_file:
+        folder = hf_folder_from_gguf(source.folder, source.gguf_file, work / "hf-model")
+        servers.append(Server("transformers", [
+            str(tf_cli), "serve", str(folder), "--continuous-batching", "--device", "cpu",
+            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port := free_port()),
+        ], port))
+    return servers
+
+
+def bench_once(server: Server, model: str, requests, concurrency: int) -> dict:
+    endpoint = Endpoint(server.url, model)
+    asyncio.run(run_workload(endpoint, requests[:1], progress=False))  # untimed warm request
+    summary, _ = asyncio.run(run_workload(endpoint, requests, max_concurrency=concurrency,
+                                          progress=False))
+    return summary.to_dict()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file (default: embedded SmolLM2)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompts-per-concurrency", type=float, default=2.0,
+                        help="requests per run = max(4, this x concurrency)")
+    parser.add_argument("--input-len", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="CPU threads given to the llama.cpp peers")
+    parser.add_argument("--peers", nargs="*",
+                        default=["llama-server", "llama-cpp-python", "transformers"])
+    parser.add_argument("--peer-python", default=str(ROOT / ".venv-peers" / "bin" / "python"),
+                        help="python with llama-cpp-python[server] / transformers[serving]")
+    parser.add_argument("--llama-server", default="llama-server")
+    parser.add_argument("--hpu-serve-args", nargs=argparse.REMAINDER, default=[],
+                        help="extra flags for hpu-serve (must come last)")
+    parser.add_argument("--result-file", default="compare-results.json")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="hpu-serve-compare-"))
+    cache = ROOT / ".bench-cache"
+    cache.mkdir(exist_ok=True)
+    servers = build_servers(args, cache)
+    print("servers:", ", ".join(s.name for s in servers), "| logs in", work, flush=True)
+    tokenizer = load_tokenizer(args.model)
+    special = set(tokenizer.hf.all_special_ids)
+    results: dict[str, dict[int, list[dict]]] = {s.name: {c: [] for c in args.concurrency}
+                                                 for s in servers}
+    try:
+        for server in servers:
+            server.start(work)
+            print(f"{server.name}: ready in {server.ready_s:.1f} s", flush=True)
+        for rnd in range(args.rounds):
+            for conc in args.concurrency:
+                n = max(4, int(args.prompts_per_concurrency * conc))
+                spec = WorkloadSpec(n, args.input_len, args.output_len, seed=rnd * 1000 + conc)
+                requests = synthetic_requests(spec, tokenizer, special)
+                order = servers if (rnd + conc) % 2 == 0 else servers[::-1]  # A/B, B/A
+                for server in order:
+                    r = bench_once(server, "default", requests, conc)
+                    results[server.name][conc].append(r)
+                    print(f"round {rnd} conc {conc:>3} {server.name:<17} "
+                          f"{r['output_throughput']:8.1f} tok/s  ITL p50 "
+                          f"{r['itl_ms']['p50']:7.1f} ms  TTFT p50 {r['ttft_ms']['p50']:8.1f} ms "
+                          f"failed {r['failed']} tokens {r['output_tokens']}", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    report(results, args.concurrency)
+    Path(args.result_file).write_text(json.dumps(
+        {"args": vars(args), "ready_s": {s.name: s.ready_s for s in servers},
+         "results": results}, indent=2))
+
+
+def report(results: dict[str, dict[int, list[dict]]], concurrencies: list[int]) -> None:
+    def med(name: str, conc: int, key: str, sub: str | None = None) -> float:
+        rows = results[name][conc]
+        values = [r[key][sub] if sub else r[key] for r in rows]
+        return statistics.median(values) if values else float("nan")
+
+    peers = [n for n in results if n != "hpu-serve"]
+    print("\nmedian over rounds; x tok/s = hpu-serve / peer; ITL ratio = hpu-serve / peer "
+          "(below 1 = hpu-serve faster per token)")
+    header = f"{'conc':>4} {'hpu-serve tok/s':>16} {'ITL ms':>7}"
+    for p in peers:
+        header += f" | {p + ' tok/s':>22} {'ITL ms':>7} {'x tok/s':>8} {'ITL ratio':>9}"
+    print(header)
+    for conc in concurrencies:
+        ours, ours_itl = med("hpu-serve", conc, "output_throughput"), med(
+            "hpu-serve", conc, "itl_ms", "p50")
+        line = f"{conc:>4} {ours:>16.1f} {ours_itl:>7.1f}"
+        for p in peers:
+            tps, itl = med(p, conc, "output_throughput"), med(p, conc, "itl_ms", "p50")
+            line += (f" | {tps:>22.1f} {itl:>7.1f} {ours / tps if tps else float('inf'):>8.2f}"
+                     f" {ours_itl / itl if itl else float('nan'):>9.2f}")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
