@@ -97,9 +97,8 @@ def serve(args: argparse.Namespace) -> int:
     engine_cfg = engine_config_from_args(args)
     server_cfg = server_config_from_args(args)
     engine = AsyncEngine.from_config(engine_cfg)  # load + KV cache sizing
-    warmup = getattr(engine.engine, "warmup", None)
-    if warmup is not None:
-        warmup()  # every bucket compiled/captured before the port opens
+    # every bucket compiled/captured before the port opens, on the thread that will serve
+    engine.call(engine.engine.warmup)
     core = engine.engine
     app = build_app(engine, AppSettings(
         model_name=core.model_name, max_model_len=core.limits.max_model_len,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -21,6 +22,13 @@ def engine_config(tiny_model):
 def test_streams_abort_and_loop_stays_responsive(engine_config) -> None:
     async def main() -> None:
         engine = AsyncEngine.from_config(engine_config)
+        step = engine.engine.step
+
+        def slow_step():  # noqa: ANN202 - stands in for a real model's compute time
+            time.sleep(0.01)  # releases the GIL like torch kernels do
+            return step()
+
+        engine.engine.step = slow_step
         engine.start()
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -50,7 +58,9 @@ def test_streams_abort_and_loop_stays_responsive(engine_config) -> None:
                 reason = out.outputs[0].finish_reason or ""
             return tokens, text, reason
 
+        started = time.monotonic()
         results = await asyncio.gather(*(collect(f"r{i}") for i in range(6)))
+        elapsed = time.monotonic() - started
         for tokens, text, reason in results:
             assert tokens == results[0][0] and len(tokens) == 40 and reason == "length"
             assert text == engine.tokenizer.decode(tokens)
@@ -73,8 +83,42 @@ def test_streams_abort_and_loop_stays_responsive(engine_config) -> None:
             await engine.submit("bad", [], params)
         tick_task.cancel()
         # the event loop kept running while the model computed
-        assert ticks > 20 and longest_gap < 0.5
+        assert elapsed > 0.4  # 40+ steps of 10 ms
+        assert ticks > elapsed / 0.005 / 4 and longest_gap < 0.1
         assert engine.is_alive
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_load_warmup_and_steps_run_on_one_engine_thread(engine_config) -> None:
+    # One thread per process calls into torch: a second OpenMP team slowed decode ~1.5x.
+    from server.engine.llm_engine import LLMEngine
+
+    threads: list[int] = []
+
+    def factory() -> LLMEngine:
+        threads.append(threading.get_ident())
+        return LLMEngine(engine_config)
+
+    engine = AsyncEngine(factory)
+    engine.call(lambda: threads.append(threading.get_ident()))  # how the CLI runs warmup
+    step = engine.engine.step
+
+    def recording_step():  # noqa: ANN202
+        threads.append(threading.get_ident())
+        return step()
+
+    engine.engine.step = recording_step
+
+    async def main() -> str:
+        engine.start()
+        stream = await engine.submit("r", [1, 2, 3], SamplingParams(max_tokens=4,
+                                                                     ignore_eos=True))
+        text = [out async for out in stream]
+        await engine.shutdown()
+        return text[-1].outputs[0].token_ids
+
+    assert len(asyncio.run(main())) == 4
+    assert len(threads) >= 6 and set(threads) == {threads[0]}
+    assert threads[0] != threading.get_ident()
