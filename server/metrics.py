@@ -29,13 +29,20 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class EngineCollector(Collector):
     """Scheduler and KV cache state, read from ``stats()`` whenever Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], Any], model_name: str,
+                 alive: Callable[[], bool] = lambda: True) -> None:
         self._stats = stats
         self._model = model_name
+        self._alive = alive
 
     def collect(self) -> Iterator[Any]:
-        s = self._stats()
         labels = ["model_name"]
+        # /health turns 503 when the engine loop dies; this is the same fact for alert rules
+        up = GaugeMetricFamily("hpu_serve:engine_up", "1 while the engine loop runs, 0 once "
+                               "it died (the server then answers 503).", labels=labels)
+        up.add_metric([self._model], 1.0 if self._alive() else 0.0)
+        yield up
+        s = self._stats()
         for name, doc, value in (
             ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
@@ -55,10 +62,11 @@ class ServerMetrics:
     """The request-level series; one instance per app, in its own registry."""
 
     def __init__(self, model_name: str, stats: Callable[[], Any],
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 alive: Callable[[], bool] = lambda: True) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(EngineCollector(stats, model_name))
+        self.registry.register(EngineCollector(stats, model_name, alive))
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", m,
                                      registry=r).labels(model_name)

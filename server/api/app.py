@@ -47,7 +47,7 @@ class AppSettings:
 
 
 def build_app(engine: EngineClient, settings: AppSettings, start_engine: bool = True) -> FastAPI:
-    metrics = ServerMetrics(settings.model_name, engine.stats)
+    metrics = ServerMetrics(settings.model_name, engine.stats, alive=lambda: engine.is_alive)
     device_registry = getattr(engine, "metrics_registry", None)
     if device_registry is not None:  # a registry is itself a collector: fold it in
         metrics.registry.register(device_registry)
