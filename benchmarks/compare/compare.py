@@ -49,6 +49,9 @@ class Server:
     port: int
     env: dict[str, str] = field(default_factory=dict)
     health: str = "/health"
+    model: str | None = None  # None: the first id /v1/models lists
+    ignore_eos: bool = True  # sends vLLM's `ignore_eos` extension
+    extra_body: dict = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     log: Path | None = None
     ready_s: float = 0.0
@@ -69,6 +72,9 @@ class Server:
             try:
                 if httpx.get(self.url + self.health, timeout=2).status_code == 200:
                     self.ready_s = time.monotonic() - start
+                    if self.model is None:
+                        models = httpx.get(self.url + "/v1/models", timeout=10).json()
+                        self.model = models["data"][0]["id"]
                     return
             except httpx.HTTPError:
                 pass
@@ -91,8 +97,13 @@ def hf_folder_from_gguf(folder: str, gguf_file: str, out: Path) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file)
-    model.config.architectures = ["LlamaForCausalLM"]
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file)
+    config = loaded.config
+    config.architectures = ["LlamaForCausalLM"]
+    if hasattr(config, "quantization_config"):  # de-quantized on load; marks it unsavable
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)  # plain copy that save_pretrained takes
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file).save_pretrained(out)
     return out
@@ -136,12 +147,17 @@ def build_servers(args: argparse.Namespace, work: Path) -> list[Server]:
         servers.append(Server("transformers", [
             str(tf_cli), "serve", str(folder), "--continuous-batching", "--device", "cpu",
             "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port := free_port()),
-        ], port))
+        ], port, model=str(folder),  # it loads whatever path a request names
+            # no `ignore_eos` there (422); a generation config that forbids an early EOS
+            ignore_eos=False, extra_body={"generation_config": json.dumps({
+                "do_sample": False, "min_new_tokens": args.output_len,
+                "max_new_tokens": args.output_len})}))
     return servers
 
 
-def bench_once(server: Server, model: str, requests, concurrency: int) -> dict:
-    endpoint = Endpoint(server.url, model)
+def bench_once(server: Server, requests, concurrency: int) -> dict:
+    endpoint = Endpoint(server.url, server.model or "", ignore_eos=server.ignore_eos,
+                        extra_body=server.extra_body)
     asyncio.run(run_workload(endpoint, requests[:1], progress=False))  # untimed warm request
     summary, _ = asyncio.run(run_workload(endpoint, requests, max_concurrency=concurrency,
                                           progress=False))
@@ -189,7 +205,7 @@ def main() -> None:
                 requests = synthetic_requests(spec, tokenizer, special)
                 order = servers if (rnd + conc) % 2 == 0 else servers[::-1]  # A/B, B/A
                 for server in order:
-                    r = bench_once(server, "default", requests, conc)
+                    r = bench_once(server, requests, conc)
                     results[server.name][conc].append(r)
                     print(f"round {rnd} conc {conc:>3} {server.name:<17} "
                           f"{r['output_throughput']:8.1f} tok/s  ITL p50 "

@@ -1,0 +1,87 @@
+"""Decode speed as a fraction of this machine's own ceilings, all measured in one run.
+
+    python benchmarks/roofline.py [--model PATH] [--ctx 200] [--batch 32]
+
+- bf16 matmul ceiling: best GFLOP/s of a large square bf16 matmul.
+- memory bandwidth: best GB/s of a large tensor copy (bytes read).
+- batch-N decode (compute-bound regime): achieved GFLOP/s of the engine's decode step
+  (2 x params FLOPs per token for the linear layers + attention over the context) / ceiling.
+- batch-1 decode (bandwidth-bound regime): bytes a token must read (weights + its KV) divided
+  by the measured bandwidth, i.e. the fastest possible step, / the measured step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from execution_modes import decode_step_ms
+
+from server import LLM
+
+
+def best_time(fn, repeat: int) -> float:  # noqa: ANN001
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_ceiling_gflops(n: int = 2048) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    return 2 * n**3 / best_time(lambda: a @ b, 10) / 1e9
+
+
+def copy_bandwidth_gbs(mib: int = 512) -> float:
+    src = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return src.numel() * 4 / best_time(lambda: dst.copy_(src), 10) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--ctx", type=int, default=200, help="prompt tokens per sequence")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+
+    llm = LLM(args.model, max_num_seqs=args.batch, block_size=128,
+              max_model_len=args.ctx + args.steps + 130)
+    model = llm.engine.runner.model
+    cfg = model.config
+    element = next(model.parameters()).element_size()
+    embed = model.embed_tokens.weight
+    linear_params = sum(p.numel() for n, p in model.named_parameters()
+                        if p.dim() == 2 and p is not embed) + embed.numel()  # lm_head (tied)
+    ctx = args.ctx + args.steps // 2  # mean context while measuring
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element * ctx
+    attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
+
+    ceiling = matmul_ceiling_gflops()
+    bandwidth = copy_bandwidth_gbs()
+    step_n = decode_step_ms(llm, args.batch, args.ctx, args.steps) / 1000
+    step_1 = decode_step_ms(llm, 1, args.ctx, args.steps) / 1000
+    achieved = args.batch * (2 * linear_params + attn_flops) / step_n / 1e9
+    bytes_1 = linear_params * element + kv_per_token
+    floor_1 = bytes_1 / (bandwidth * 1e9)
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"dtype {next(model.parameters()).dtype}, linear params {linear_params / 1e6:.1f}M")
+    print(f"bf16 matmul ceiling        {ceiling:8.1f} GFLOP/s (2048^3)")
+    print(f"copy bandwidth             {bandwidth:8.1f} GB/s (512 MiB, bytes read)")
+    print(f"decode batch {args.batch:<3}          {step_n * 1000:8.1f} ms/step  "
+          f"{args.batch / step_n:7.1f} tok/s  {achieved:7.1f} GFLOP/s = "
+          f"{achieved / ceiling:.2f} of the matmul ceiling")
+    print(f"decode batch 1             {step_1 * 1000:8.1f} ms/step  {1 / step_1:7.1f} tok/s  "
+          f"floor {floor_1 * 1000:.1f} ms ({bytes_1 / 1e6:.0f} MB at {bandwidth:.1f} GB/s) = "
+          f"{floor_1 / step_1:.2f} of the bandwidth ceiling")
+
+
+if __name__ == "__main__":
+    main()
