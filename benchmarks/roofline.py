@@ -21,7 +21,7 @@ from execution_modes import decode_step_ms
 from server import LLM
 
 
-def best_time(fn, repeat: int) -> float:  # noqa: ANN001
+def best_time(fn, repeat: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):
