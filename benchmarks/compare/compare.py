@@ -29,7 +29,7 @@ import httpx
 
 from server.bench.cli import load_tokenizer
 from server.bench.client import Endpoint
-from server.bench.runner import run_workload
+from server.bench.runner import discover_model, run_workload
 from server.bench.workload import WorkloadSpec, synthetic_requests
 from server.models.loader import resolve_model_source
 
@@ -73,8 +73,7 @@ class Server:
                 if httpx.get(self.url + self.health, timeout=2).status_code == 200:
                     self.ready_s = time.monotonic() - start
                     if self.model is None:
-                        models = httpx.get(self.url + "/v1/models", timeout=10).json()
-                        self.model = models["data"][0]["id"]
+                        self.model = asyncio.run(discover_model(self.url))
                     return
             except httpx.HTTPError:
                 pass
