@@ -17,8 +17,10 @@ import time
 
 import torch
 from execution_modes import decode_step_ms
+from torch import nn
 
 from server import LLM
+from server.hpu.cpu_linear import PackedLinear
 
 
 def best_time(fn, repeat: int) -> float:
@@ -56,9 +58,9 @@ def main() -> None:
     model = llm.engine.runner.model
     cfg = model.config
     element = next(model.parameters()).element_size()
-    embed = model.embed_tokens.weight
-    linear_params = sum(p.numel() for n, p in model.named_parameters()
-                        if p.dim() == 2 and p is not embed) + embed.numel()  # lm_head (tied)
+    # Every matmul weight, the LM head included (tied or not); packed ones keep their count.
+    linear_params = sum(m.weight_numel if isinstance(m, PackedLinear) else m.weight.numel()
+                        for m in model.modules() if isinstance(m, (PackedLinear, nn.Linear)))
     ctx = args.ctx + args.steps // 2  # mean context while measuring
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element * ctx
     attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx

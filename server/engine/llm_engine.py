@@ -22,6 +22,7 @@ from server.engine.sequence import Sequence
 from server.engine.tokenizer import Tokenizer
 from server.hpu.bucketing import bucketing_config, decode_buckets, format_plan, prompt_buckets
 from server.hpu.counters import DeviceCounters
+from server.hpu.cpu_linear import pack_linear_layers
 from server.hpu.graph_runner import select_runner
 from server.hpu.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from server.hpu.platform import Platform, detect_platform
@@ -80,6 +81,8 @@ class LLMEngine:
             self.platform.name, config.device.execution_mode, config.device.enforce_eager,
             self.runner.forward, self.counters, loaded.model, config.device.hpu_lazy_mode,
         )
+        if self.platform.name == "cpu" and self.runner.graphs.mode == "eager":
+            pack_linear_layers(loaded.model)
         self.bucketing = bucketing_config(
             dict(config.bucketing_env), block_size=self.block_size,
             max_model_len=self.limits.max_model_len, max_num_seqs=self.limits.max_num_seqs,
