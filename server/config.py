@@ -24,6 +24,9 @@ class ModelOptions:
     served_model_name: str | None = None
     chat_template: str | None = None
     seed: int = 0
+    # None: a GGUF file's Q4_0/Q4_1 weights also run 4-bit for small decode batches
+    # ("gguf"); "none": every weight dequantized to ``dtype``.
+    quantization: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--chat-template", default=None, help="Jinja template or a file with one")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+                        help="gguf (default for .gguf files): Q4_0/Q4_1 weights stay 4-bit for "
+                             "decode batches of up to 4 rows (bf16 on CPU); none: dequantize "
+                             "everything to --dtype")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -149,6 +156,7 @@ def engine_config_from_args(
             served_model_name=args.served_model_name,
             chat_template=args.chat_template,
             seed=args.seed,
+            quantization=args.quantization,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -22,13 +22,25 @@ from server.engine.sequence import Sequence
 from server.engine.tokenizer import Tokenizer
 from server.hpu.bucketing import bucketing_config, decode_buckets, format_plan, prompt_buckets
 from server.hpu.counters import DeviceCounters
-from server.hpu.cpu_linear import pack_linear_layers
+from server.hpu.cpu_linear import (
+    INT4_MAX_ROWS,
+    attach_int4_weights,
+    int4_supported,
+    pack_linear_layers,
+)
 from server.hpu.graph_runner import select_runner
 from server.hpu.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from server.hpu.platform import Platform, detect_platform
 from server.hpu.shapes import ShapePlanner
 from server.hpu.warmup import WarmupHooks, run_warmup
-from server.models.loader import LoadedModel, ModelSource, load_model, resolve_model_source
+from server.models.gguf_int4 import GROUP_SIZE
+from server.models.loader import (
+    LoadedModel,
+    ModelSource,
+    load_int4_weights,
+    load_model,
+    resolve_model_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +93,7 @@ class LLMEngine:
             self.platform.name, config.device.execution_mode, config.device.enforce_eager,
             self.runner.forward, self.counters, loaded.model, config.device.hpu_lazy_mode,
         )
-        if self.platform.name == "cpu" and self.runner.graphs.mode == "eager":
-            pack_linear_layers(loaded.model)
+        self._prepare_cpu_weights(config, loaded)
         self.bucketing = bucketing_config(
             dict(config.bucketing_env), block_size=self.block_size,
             max_model_len=self.limits.max_model_len, max_num_seqs=self.limits.max_num_seqs,
@@ -236,6 +247,19 @@ class LLMEngine:
             stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
         )
+
+    def _prepare_cpu_weights(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        """Eager CPU: oneDNN-packed linears, plus a GGUF's own 4-bit weights for small
+        decode batches unless ``--quantization none``."""
+        quant = config.model.quantization
+        if quant == "gguf" and not self.source.is_gguf:
+            raise ValueError("--quantization gguf needs a .gguf model file")
+        if self.platform.name != "cpu" or self.runner.graphs.mode != "eager":
+            return
+        pack_linear_layers(loaded.model)
+        if quant != "none" and self.source.is_gguf and int4_supported(loaded.dtype):
+            attach_int4_weights(loaded.model, load_int4_weights(self.source, loaded.config),
+                                GROUP_SIZE, INT4_MAX_ROWS, loaded.dtype)
 
     def _num_kv_blocks(self, config: EngineConfig, loaded: LoadedModel) -> int:
         cache = config.cache

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from server.models.config import ModelConfig
+from server.models.gguf_int4 import Int4Weight, read_int4_weights
 from server.models.llama import LlamaForCausalLM
 from server.models.rotary import RotaryEmbedding
 
@@ -190,6 +191,17 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
         num_bytes / 2**20, seconds,
     )
     return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds)
+
+
+def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:
+    """The Q4_0/Q4_1 linear weights of a GGUF checkpoint as 4-bit codes ({} otherwise)."""
+    if not source.is_gguf:
+        return {}
+    start = time.monotonic()
+    weights = read_int4_weights(_gguf_reader(source), cfg)
+    logger.info("Read 4-bit codes of %d linear layers in %.1f s", len(weights),
+                time.monotonic() - start)
+    return weights
 
 
 # Pseudo-name under which the GGUF rope_freqs tensor reaches _load_into.

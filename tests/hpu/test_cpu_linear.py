@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
 
 from server import LLM, SamplingParams
-from server.hpu.cpu_linear import PackedLinear, pack_linear_layers, packing_supported
+from server.hpu.cpu_linear import (
+    PackedLinear,
+    SmallBatchInt4Linear,
+    int4_supported,
+    pack_linear_layers,
+    packing_supported,
+)
 from server.models.loader import load_model, resolve_model_source
 
 pytestmark = pytest.mark.skipif(
@@ -82,3 +89,56 @@ def test_eager_cpu_engine_serves_through_packed_layers(tiny_model) -> None:
     dense_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert packed_out == dense_out
     assert all(len(t) == 12 for t in packed_out)
+
+
+@dataclass
+class Codes:
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+
+def test_small_batches_run_the_int4_codes_and_large_ones_the_dense_weight() -> None:
+    if not int4_supported(torch.bfloat16) or not packing_supported(torch.bfloat16):
+        pytest.skip("no int4 CPU kernel / bf16 oneDNN here")
+    torch.manual_seed(0)
+    n, k, group = 48, 128, 32
+    codes = Codes(torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                  torch.rand(n, k // group) * 0.05, torch.randn(n, k // group) * 0.05)
+    weight = (codes.codes.float() - 8) * codes.scale.repeat_interleave(group, 1) \
+        + codes.zero.repeat_interleave(group, 1)
+    # A dense layer holding *different* weights shows which path each batch took.
+    dense = nn.Linear(k, n, bias=True).to(torch.bfloat16)
+    layer = SmallBatchInt4Linear(PackedLinear(dense), codes, group, max_rows=4,
+                                 dtype=torch.bfloat16)
+    for rows in (1, 3, 4):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        want = x.float() @ weight.t() + dense.bias.float()
+        torch.testing.assert_close(layer(x).float(), want, rtol=0.02, atol=0.05)
+    x = torch.randn(2, 3, k).to(torch.bfloat16)  # 6 rows > 4: dense
+    assert torch.equal(layer(x), nn.functional.linear(x, dense.weight, dense.bias))
+
+
+@pytest.mark.slow
+def test_engine_serves_a_q4_gguf_from_its_codes_unless_told_not_to() -> None:
+    llm = LLM(None, max_num_seqs=4, max_model_len=256)  # the embedded Q4_1 SmolLM2, bf16
+    model = llm.engine.runner.model
+    int4_layers = [m for m in model.modules() if isinstance(m, SmallBatchInt4Linear)]
+    assert len(int4_layers) == 4 * model.config.num_layers
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = llm.tokenizer.encode("The capital of France is")
+    with_codes = llm.generate([prompt], params)[0].outputs[0].token_ids
+    for layer in int4_layers:
+        layer.max_rows = 0  # every batch on the dense bf16 copy of the same file
+    dense = llm.generate([prompt], params)[0].outputs[0].token_ids
+    # Same file values, different rounding: the greedy continuation must agree.
+    assert with_codes == dense
+    assert llm.tokenizer.decode(with_codes).strip().startswith("Paris")
+
+    plain = LLM(None, max_num_seqs=4, max_model_len=256, quantization="none")
+    assert not any(isinstance(m, SmallBatchInt4Linear) for m in plain.engine.runner.model.modules())
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_model) -> None:
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        LLM(tiny_model[0], quantization="gguf")
