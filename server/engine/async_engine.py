@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -66,6 +67,11 @@ class AsyncEngine:
         self._stopping = False
         self.dead_reason: BaseException | None = None
         self.engine: LLMEngine | None = None
+        # Requests accepted by submit() that the engine thread has not queued yet. They are
+        # waiting as far as a client can tell: without them a burst arriving between two
+        # engine steps would all pass a --max-waiting-requests check.
+        self._in_transit = 0
+        self._in_transit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self.engine = self.call(engine_factory)
@@ -111,7 +117,12 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is not running: {self.dead_reason!r}")
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
-        state = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params)
+        self._transit(+1)
+        try:
+            state = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params)
+        except BaseException:
+            self._transit(-1)
+            raise
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._commands.put(("add", state))
@@ -123,7 +134,15 @@ class AsyncEngine:
             self._commands.put(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The engine's snapshot, with requests still on their way in counted as waiting
+        (read first: one crossing over meanwhile is counted twice, never missed)."""
+        in_transit = self._in_transit
+        stats = self.engine.stats()
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + in_transit)
+
+    def _transit(self, delta: int) -> None:
+        with self._in_transit_lock:
+            self._in_transit += delta
 
     def _busy(self) -> bool:
         return self.engine is not None and self.engine.has_unfinished_requests()
@@ -165,6 +184,8 @@ class AsyncEngine:
         except RequestError as exc:
             request_id = state.request_id  # type: ignore[attr-defined]
             self._call_loop(self._push_error, request_id, exc)
+        finally:
+            self._transit(-1)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         self._call_loop(self._push_outputs, outputs)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -12,29 +14,41 @@ import openai
 import pytest
 
 
+def _waiting(base_url: str) -> float:
+    for line in httpx.get(base_url + "/metrics").text.splitlines():
+        if line.startswith("vllm:num_requests_waiting{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:num_requests_waiting missing from /metrics")
+
+
 def test_waiting_queue_bound_gives_503(tiny_model, start_server_fn) -> None:
+    """One request runs (the only slot), one waits (the bound), the next is refused."""
     srv = start_server_fn(tiny_model[0], "--dtype", "float32", "--block-size", "16",
                           "--max-num-seqs", "1", "--max-waiting-requests", "1")
-    long_body = {"prompt": "the quick", "max_tokens": 400, "ignore_eos": True}
-    barrier = threading.Barrier(6)
-    responses: list[httpx.Response] = []
-
-    def post() -> None:
-        barrier.wait()  # all six arrive together: one runs, one waits, the rest are refused
-        responses.append(httpx.post(srv.base_url + "/v1/completions", json=long_body,
-                                    timeout=120))
-
+    url = srv.base_url + "/v1/completions"
+    body = {"prompt": "the quick", "max_tokens": 480, "ignore_eos": True}
+    waiting: list[httpx.Response] = []
     try:
-        threads = [threading.Thread(target=post) for _ in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        refused = [r for r in responses if r.status_code == 503]
-        served = [r for r in responses if r.status_code == 200]
-        assert len(refused) + len(served) == 6 and refused and len(served) >= 2
-        assert all("overloaded" in r.json()["error"]["message"] for r in refused)
-        assert all(r.json()["usage"]["completion_tokens"] == 400 for r in served)
+        with httpx.Client(timeout=120) as client, client.stream(
+                "POST", url, json={**body, "stream": True,
+                                  "stream_options": {"include_usage": True}}) as running:
+            lines = running.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # it runs
+            second = threading.Thread(
+                target=lambda: waiting.append(httpx.post(url, json=body, timeout=120)))
+            second.start()
+            while _waiting(srv.base_url) < 1:  # the second request is queued behind it
+                time.sleep(0.005)
+            refused = client.post(url, json=body)
+            rest = [line for line in lines if line.startswith("data:")]
+            second.join()
+        assert refused.status_code == 503, refused.text
+        assert "overloaded" in refused.json()["error"]["message"]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 480
+        assert waiting[0].status_code == 200
+        assert waiting[0].json()["usage"]["completion_tokens"] == 480
+        assert _waiting(srv.base_url) == 0
         assert httpx.get(srv.base_url + "/health").status_code == 200
     finally:
         srv.stop()

@@ -122,3 +122,30 @@ def test_load_warmup_and_steps_run_on_one_engine_thread(engine_config) -> None:
     assert len(asyncio.run(main())) == 4
     assert len(threads) >= 6 and set(threads) == {threads[0]}
     assert threads[0] != threading.get_ident()
+
+
+def test_submitted_requests_count_as_waiting_before_the_engine_sees_them(engine_config) -> None:
+    # The API's --max-waiting-requests check reads stats() the moment a request arrives;
+    # a burst landing between two engine steps must not all look like an empty queue.
+    engine = AsyncEngine.from_config(engine_config)
+    gate = threading.Event()
+
+    async def main() -> tuple[int, int, int]:
+        engine.start()
+        busy = threading.Thread(target=engine.call, args=(gate.wait,))
+        busy.start()  # the engine thread is occupied: commands queue up behind it
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        streams = [await engine.submit(f"r{i}", [1, 2, 3], params) for i in range(3)]
+        queued = engine.stats().num_waiting
+        with pytest.raises(RequestError):
+            await engine.submit("bad", [], params)  # refused in prepare: not counted
+        after_refusal = engine.stats().num_waiting
+        gate.set()
+        busy.join()
+        for stream in streams:
+            assert len([out async for out in stream][-1].outputs[0].token_ids) == 3
+        drained = engine.stats().num_waiting
+        await engine.shutdown()
+        return queued, after_refusal, drained
+
+    assert asyncio.run(main()) == (3, 3, 0)
