@@ -72,6 +72,9 @@ class DeviceConfig:
     # auto: graphs on HPU/CUDA, eager on CPU (compiled is ~1.2x faster but minutes to warm)
     execution_mode: str = "auto"  # auto | eager | compile | graphs
     hpu_lazy_mode: bool = True  # PT_HPU_LAZY_MODE
+    # Eager CPU: fused C++ kernels for norms, RoPE + KV writes, SiLU and decode attention
+    # (HPU_SERVE_CPU_KERNELS=0 keeps plain PyTorch ops, e.g. where no compiler exists).
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.execution_mode not in ("auto", "eager", "compile", "graphs"):
@@ -171,7 +174,8 @@ def engine_config_from_args(
         ),
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             execution_mode=args.execution_mode,
-                            hpu_lazy_mode=_flag(env.get("PT_HPU_LAZY_MODE", "1"))),
+                            hpu_lazy_mode=_flag(env.get("PT_HPU_LAZY_MODE", "1")),
+                            cpu_kernels=_flag(env.get("HPU_SERVE_CPU_KERNELS", "1"))),
         warmup=WarmupConfig(
             skip=_flag(env.get("VLLM_SKIP_WARMUP", "false")),
             graph_reserved_mem=float(env.get("VLLM_GRAPH_RESERVED_MEM", "0.1")),

@@ -22,6 +22,7 @@ from server.engine.sequence import Sequence
 from server.engine.tokenizer import Tokenizer
 from server.hpu.bucketing import bucketing_config, decode_buckets, format_plan, prompt_buckets
 from server.hpu.counters import DeviceCounters
+from server.hpu.cpu_kernels import load_cpu_kernels
 from server.hpu.cpu_linear import (
     INT4_MAX_ROWS,
     attach_int4_weights,
@@ -34,6 +35,7 @@ from server.hpu.platform import Platform, detect_platform
 from server.hpu.shapes import ShapePlanner
 from server.hpu.warmup import WarmupHooks, run_warmup
 from server.models.gguf_int4 import GROUP_SIZE
+from server.models.layer_ops import FusedCpuLayerOps
 from server.models.loader import (
     LoadedModel,
     ModelSource,
@@ -249,8 +251,8 @@ class LLMEngine:
         )
 
     def _prepare_cpu_weights(self, config: EngineConfig, loaded: LoadedModel) -> None:
-        """Eager CPU: oneDNN-packed linears, plus a GGUF's own 4-bit weights for small
-        decode batches unless ``--quantization none``."""
+        """Eager CPU: oneDNN-packed linears, a GGUF's own 4-bit weights for small decode
+        batches unless ``--quantization none``, and the fused kernels unless disabled."""
         quant = config.model.quantization
         if quant == "gguf" and not self.source.is_gguf:
             raise ValueError("--quantization gguf needs a .gguf model file")
@@ -260,6 +262,11 @@ class LLMEngine:
         if quant != "none" and self.source.is_gguf and int4_supported(loaded.dtype):
             attach_int4_weights(loaded.model, load_int4_weights(self.source, loaded.config),
                                 GROUP_SIZE, INT4_MAX_ROWS, loaded.dtype)
+        if config.device.cpu_kernels and load_cpu_kernels():
+            ops = FusedCpuLayerOps()
+            loaded.model.use_ops(ops)
+            self.runner.decode_layout = ops.decode_layout
+            logger.info("Layer ops: %s (decode attention reads KV blocks in place)", ops.name)
 
     def _num_kv_blocks(self, config: EngineConfig, loaded: LoadedModel) -> int:
         cache = config.cache

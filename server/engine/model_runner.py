@@ -57,6 +57,9 @@ class ModelRunner:
         # Set by the engine once the execution mode is known; eager until then.
         self.graphs: GraphRunner = EagerRunner(self.forward, DeviceCounters("unnamed"))
         self.shapes: ShapePlanner | None = None
+        # "flat" (block list + one-hot mapping, any device) or "block_tables" (per-row
+        # tables for the fused CPU kernel): whichever the model's layer ops read.
+        self.decode_layout = "flat"
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
@@ -126,6 +129,9 @@ class ModelRunner:
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
     ) -> ForwardInputs:
         """Each sequence's last token; its KV blocks flattened into one block list."""
+        if self.decode_layout == "block_tables":
+            assert pad_to is None or pad_to[0] == len(seqs), "block tables are never padded"
+            return self._prepare_decode_tables(seqs)
         block = self.block_size
         positions = [s.num_tokens - 1 for s in seqs]
         block_list = [b for s in seqs for b in s.block_table]
@@ -165,6 +171,30 @@ class ModelRunner:
             meta,
             torch.arange(bs).to(dev),
             len(seqs),
+        )
+
+    def _prepare_decode_tables(self, seqs: list[Sequence]) -> ForwardInputs:
+        """Each sequence's last token with its own block table; nothing padded (eager CPU)."""
+        block = self.block_size
+        bs = len(seqs)
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [self.pad_block_id] * (width - len(s.block_table))
+                  for s in seqs]
+        lens = [s.num_tokens for s in seqs]
+        slots = [s.block_table[(n - 1) // block] * block + (n - 1) % block
+                 for s, n in zip(seqs, lens)]
+        dev = self.device
+        meta = AttentionMetadata(
+            False, block, torch.tensor(slots, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        )
+        return ForwardInputs(
+            torch.tensor([s.last_token_id for s in seqs], device=dev).view(bs, 1),
+            torch.tensor([n - 1 for n in lens], device=dev).view(bs, 1),
+            meta,
+            torch.arange(bs, device=dev),
+            bs,
         )
 
     # warmup: shapes without requests

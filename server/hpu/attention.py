@@ -40,6 +40,9 @@ class AttentionMetadata:
     block_groups: torch.Tensor | None = None  # [N] owning row in the batch, pad = bs
     block_mapping: torch.Tensor | None = None  # [N, bs] one-hot of block_groups, model dtype
     block_bias: torch.Tensor | None = None  # [N, block_size] 0 for valid slots, -inf-ish else
+    # decode with per-row tables instead (the fused CPU kernel reads blocks in place):
+    block_tables: torch.Tensor | None = None  # [bs, max blocks] int32 physical block ids
+    seq_lens: torch.Tensor | None = None  # [bs] int32 tokens per row, the new one included
 
     def __post_init__(self) -> None:
         if self.slot_block is None:

@@ -5,17 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from server.hpu.attention import (
-    AttentionMetadata,
-    flat_paged_attention,
-    prompt_attention,
-    write_kv,
-)
+from server.hpu.attention import AttentionMetadata, prompt_attention
 from server.models.config import ModelConfig
-from server.models.rotary import RotaryEmbedding, apply_rotary
+from server.models.layer_ops import KVCache, Rope, TorchLayerOps
+from server.models.rotary import RotaryEmbedding
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]
+_TORCH_OPS = TorchLayerOps()
 
 
 class RMSNorm(nn.Module):
@@ -23,12 +18,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops: TorchLayerOps = _TORCH_OPS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference implementation, whatever the weight dtype;
-        # the fused kernel saves four elementwise passes.
-        h = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``, or with a residual stream ``(norm(residual + x), residual + x)``."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -43,6 +40,7 @@ class Attention(nn.Module):
         # q, k and v as one matmul: fewer, larger GEMMs are faster on every device.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.ops: TorchLayerOps = _TORCH_OPS
 
     def forward(
         self,
@@ -53,15 +51,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x ``[bs, q, hidden]`` (q == 1 for decode) -> same shape."""
         bs, q_len, _ = x.shape
-        heads = self.qkv_proj(x.view(bs * q_len, -1)).view(
-            bs * q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim
-        )
-        # Queries and keys are rotated as one tensor: half the elementwise ops per layer.
-        qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], *rope)
-        query, key = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        value = heads[:, self.num_heads + self.num_kv_heads :]
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, key, value, meta)
+        qkv = self.qkv_proj(x.view(bs * q_len, -1))
+        query, key, value = self.ops.rotary_write_kv(qkv, rope, kv_cache, meta, self.num_heads,
+                                                     self.num_kv_heads)
         if meta.is_prompt:
             out = prompt_attention(
                 query.view(bs, q_len, self.num_heads, self.head_dim),
@@ -70,7 +62,7 @@ class Attention(nn.Module):
                 self.scale,
             )
         else:
-            out = flat_paged_attention(query, k_cache, v_cache, meta, self.scale)
+            out = self.ops.decode_attention(query, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(bs, q_len, self.q_size))
 
 
@@ -80,10 +72,10 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops: TorchLayerOps = _TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -97,12 +89,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor,
         rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual-stream form: ``x`` is the previous layer's MLP output (the embeddings, on
+        a zero stream, for the first layer); returns this layer's MLP output and the stream.
+        Each residual add is fused with the norm that follows it, and every layer runs the
+        same code (one compiled graph serves them all)."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,9 +131,16 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions.reshape(-1), x.dtype)
+        residual = torch.zeros_like(x)  # 0 + x is exact: the first add changes nothing
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
+    def use_ops(self, ops: TorchLayerOps) -> None:
+        """Routes every layer's fusable operations to ``ops`` (see layer_ops.py)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[bs, hidden]`` (one row per sequence) -> float32 logits ``[bs, vocab]``."""

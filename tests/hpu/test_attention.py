@@ -49,6 +49,7 @@ def test_flat_paged_attention_matches_dense(pad_rows: int, pad_blocks: int) -> N
     runner = ModelRunner.__new__(ModelRunner)  # only the input builder is exercised
     runner.block_size, runner.pad_block_id = BLOCK, bm.pad_block_id
     runner.device, runner.dtype = torch.device("cpu"), torch.float32
+    runner.decode_layout = "flat"
     num_real_blocks = sum(len(s.block_table) for s in seqs)
     pad_to = (len(seqs) + pad_rows, num_real_blocks + pad_blocks)
     inputs = runner.prepare_decode(seqs, pad_to=pad_to)

@@ -1,0 +1,125 @@
+"""Builds and loads the fused CPU kernels (``csrc/cpu_kernels.cpp``) as ``torch.ops.hpu_serve``.
+
+The kernels are compiled once per machine with the host C++ compiler and ``-march=native``;
+the shared library is cached under a name derived from the source, the flags, the torch
+version and the CPU's instruction-set flags, so a cache volume moved to another CPU model
+rebuilds instead of hitting an illegal instruction. One plain compiler call, no ninja, no
+lock file: concurrent first starts each build to a private temp file and rename it into
+place, so a crashed build can never leave a later start waiting. Building takes ~20-30 s on
+2 cores; loading a cached build is instant. Without a compiler the engine keeps the pure
+PyTorch ops, which compute the same values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+         "-DNDEBUG", "-std=c++17", "-shared", "-fPIC")
+_lock = threading.Lock()
+_loaded: dict[str, bool] = {}
+
+
+def _cpu_fingerprint() -> str:
+    """What the build is specific to (Linux: the CPU's feature flags)."""
+    text = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                text += line
+                break
+    except OSError:
+        pass
+    return text
+
+
+def library_path(cache_dir: Path) -> Path:
+    """Where the build for this source, torch, compiler flags and CPU lives."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
+                 _cpu_fingerprint().encode()):
+        key.update(part)
+    return cache_dir / f"hpu_serve_cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def build_command(compiler: str, output: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libs = library_paths()
+    return [
+        compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(output),
+        *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs),
+        "-lc10", "-ltorch_cpu", "-ltorch",
+    ]
+
+
+def kernels_available() -> bool:
+    """True once the ops are registered in this process."""
+    return hasattr(torch.ops, "hpu_serve") and hasattr(torch.ops.hpu_serve, "decode_attention")
+
+
+def load_cpu_kernels(cache_dir: str | Path | None = None) -> bool:
+    """Builds (first time for this machine and source) and registers the kernels; False,
+    with the reason logged, where that is impossible (no compiler, a failed build)."""
+    with _lock:
+        if "done" in _loaded:
+            return _loaded["done"]
+        _loaded["done"] = ok = _load(_cache_dir(cache_dir))
+        return ok
+
+
+def _cache_dir(requested: str | Path | None) -> Path:
+    for candidate in ([Path(requested)] if requested else []) + [
+            Path.home() / ".cache" / "hpu-serve" / "kernels",
+            Path(tempfile.gettempdir()) / "hpu-serve-kernels"]:
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            continue
+    raise OSError("no writable directory for the kernel cache")
+
+
+def _load(cache_dir: Path) -> bool:
+    try:
+        path = library_path(cache_dir)
+        if not path.exists():
+            compiler = shutil.which("c++") or shutil.which("g++")
+            if compiler is None:
+                logger.warning("Fused CPU kernels unavailable (no C++ compiler): using "
+                               "PyTorch ops, same results, slower small batches")
+                return False
+            logger.info("Building fused CPU kernels into %s (once per machine)", path)
+            start = time.monotonic()
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            result = subprocess.run(build_command(compiler, tmp), capture_output=True,
+                                    text=True, check=False)
+            if result.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                logger.warning("Fused CPU kernels failed to build, using PyTorch ops:\n%s",
+                               result.stderr[-2000:])
+                return False
+            os.replace(tmp, path)  # atomic: a concurrent start sees the old state or this
+            logger.info("Fused CPU kernels built in %.1f s", time.monotonic() - start)
+        torch.ops.load_library(str(path))
+        return kernels_available()
+    except (OSError, RuntimeError) as exc:
+        logger.warning("Fused CPU kernels unavailable, using PyTorch ops: %s", exc)
+        return False

@@ -1,0 +1,109 @@
+"""The few fusable operations of a decoder layer, behind one interface with two backends.
+
+:class:`TorchLayerOps` is plain PyTorch with static shapes (every device, compiled graphs,
+the reference numerics). :class:`FusedCpuLayerOps` runs the same arithmetic as single calls
+into ``torch.ops.hpu_serve`` (``server/hpu/csrc/cpu_kernels.cpp``) for eager CPU serving,
+where per-op dispatch, not arithmetic, dominates small decode batches. The fused kernels
+round exactly where the PyTorch expressions round, so both give the same bf16 values; decode
+attention accumulates in fp32 in both (the kernel reads blocks straight from the cache
+instead of the flat block-list layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from server.hpu.attention import AttentionMetadata, flat_paged_attention, write_kv
+from server.models.rotary import apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D] in the model dtype
+
+
+class TorchLayerOps:
+    """Reference backend: PyTorch expressions only."""
+
+    name = "torch"
+    # Decode metadata this backend reads: the flat block list of vLLM's Gaudi backend.
+    decode_layout = "flat"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, whatever the weight dtype.
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): a sublayer's residual add and the next
+        norm."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_write_kv(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache,
+                        meta: AttentionMetadata, num_heads: int, num_kv_heads: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv ``[T, (Hq + 2 Hkv) * D]`` -> rotated q ``[T, Hq, D]``, rotated k and v
+        ``[T, Hkv, D]``; k and v are written to their cache slots."""
+        tokens = qkv.shape[0]
+        heads = qkv.view(tokens, num_heads + 2 * num_kv_heads, -1)
+        # Queries and keys are rotated as one tensor: half the elementwise ops per layer.
+        qk = apply_rotary(heads[:, : num_heads + num_kv_heads], *rope)
+        query, key = qk[:, :num_heads], qk[:, num_heads:]
+        value = heads[:, num_heads + num_kv_heads :]
+        write_kv(kv_cache[0], kv_cache[1], key, value, meta)
+        return query, key, value
+
+    def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+        return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale)
+
+
+class FusedCpuLayerOps(TorchLayerOps):
+    """Eager CPU backend: one kernel call per fused operation (needs the ops loaded by
+    ``server.hpu.cpu_kernels.load_cpu_kernels``)."""
+
+    name = "fused-cpu"
+    # Decode metadata: per-row block tables and lengths, read in place by the kernel.
+    decode_layout = "block_tables"
+
+    def __init__(self) -> None:
+        ops = torch.ops.hpu_serve
+        self._rms_norm = ops.rms_norm.default
+        self._add_rms_norm = ops.add_rms_norm_.default
+        self._silu_and_mul = ops.silu_and_mul.default
+        self._rotary = ops.rotary_write_kv.default
+        self._attention = ops.decode_attention.default
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x.contiguous(), weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual.contiguous()  # updated in place: the caller's copy is the stream
+        return self._add_rms_norm(residual, x.contiguous(), weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._silu_and_mul(x.contiguous())
+
+    def rotary_write_kv(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache,
+                        meta: AttentionMetadata, num_heads: int, num_kv_heads: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = qkv.contiguous()
+        tokens = qkv.shape[0]
+        cos, sin = rope
+        self._rotary(qkv, cos.view(tokens, -1), sin.view(tokens, -1), kv_cache[0], kv_cache[1],
+                     meta.slot_mapping, num_heads, num_kv_heads)
+        heads = qkv.view(tokens, num_heads + 2 * num_kv_heads, -1)
+        return (heads[:, :num_heads], heads[:, num_heads : num_heads + num_kv_heads],
+                heads[:, num_heads + num_kv_heads :])
+
+    def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+        assert meta.block_tables is not None and meta.seq_lens is not None
+        return self._attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
+                               meta.seq_lens, scale)

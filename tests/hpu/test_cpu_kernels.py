@@ -1,0 +1,155 @@
+"""The fused CPU kernels against the PyTorch layer ops (bit for bit in bf16) and a float64
+dense attention reference, plus their bounds checks and how the engine picks them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from server.hpu.attention import AttentionMetadata
+from server.hpu.cpu_kernels import load_cpu_kernels
+from server.models.layer_ops import FusedCpuLayerOps, TorchLayerOps
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def fused() -> FusedCpuLayerOps:
+    # CI machines have a compiler: failing to build is a failure, not a skip.
+    assert load_cpu_kernels(), "the fused CPU kernels did not build (see the log)"
+    return FusedCpuLayerOps()
+
+
+def assert_same(dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if dtype == torch.bfloat16:  # rounded where PyTorch rounds: identical values
+        assert torch.equal(actual, expected)
+    else:  # fp32: FMA contraction may differ in the last bit
+        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_norms_and_silu_match_torch(fused, dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    ref = TorchLayerOps()
+    x = torch.randn(rows, 1, 200, dtype=dtype) * 3
+    residual = torch.randn_like(x)
+    weight = torch.randn(200, dtype=dtype)
+    assert_same(dtype, fused.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    want_norm, want_residual = ref.add_rms_norm(x, residual, weight, 1e-6)
+    got_norm, got_residual = fused.add_rms_norm(x, residual.clone(), weight, 1e-6)
+    assert_same(dtype, got_residual, want_residual)
+    assert_same(dtype, got_norm, want_norm)
+    gate_up = torch.randn(rows, 2 * 96, dtype=dtype) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped ends
+    assert_same(dtype, fused.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, heads, kv_heads, dim", [(1, 9, 3, 64), (7, 4, 2, 16),
+                                                          (12, 8, 8, 128)])
+def test_rotary_and_cache_write_match_torch(fused, dtype, tokens, heads, kv_heads, dim) -> None:
+    torch.manual_seed(tokens)
+    ref = TorchLayerOps()
+    block, num_blocks = 8, 10
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    angles = torch.randn(tokens, 1, dim // 2) * 10
+    rope = (torch.cat((angles, angles), -1).cos().to(dtype),
+            torch.cat((angles, angles), -1).sin().to(dtype))
+    slots = torch.randperm(num_blocks * block)[:tokens]
+    meta = AttentionMetadata(True, block, slots)
+    caches = {}
+    results = {}
+    for name, ops in (("torch", ref), ("fused", fused)):
+        cache = (torch.zeros(num_blocks, kv_heads, block, dim, dtype=dtype),
+                 torch.zeros(num_blocks, kv_heads, block, dim, dtype=dtype))
+        results[name] = ops.rotary_write_kv(qkv.clone(), rope, cache, meta, heads, kv_heads)
+        caches[name] = cache
+    for got, want in zip(results["fused"], results["torch"]):
+        assert got.shape == want.shape
+        assert_same(dtype, got, want)
+    for got, want in zip(caches["fused"], caches["torch"]):
+        assert_same(dtype, got, want)
+        assert got.abs().sum() > 0  # the tokens' slots were written
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """q [Hq, D] against one sequence's k/v [T, Hkv, D], in float64."""
+    groups = q.shape[0] // k.shape[1]
+    k = k.double().repeat_interleave(groups, 1).transpose(0, 1)
+    v = v.double().repeat_interleave(groups, 1).transpose(0, 1)
+    probs = torch.softmax((q.double().unsqueeze(1) @ k.transpose(1, 2)) * scale, -1)
+    return (probs @ v).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads, groups, dim", [(3, 3, 64), (2, 4, 128), (1, 2, 40)])
+def test_decode_attention_matches_dense(fused, dtype, kv_heads, groups, dim) -> None:
+    rng = random.Random(dim)
+    torch.manual_seed(dim)
+    block = 16
+    lens = [1, 15, 16, 17, 48, 130, 3]  # one token, block edges, several blocks
+    num_blocks = sum(-(-n // block) for n in lens) + 5
+    k_cache = torch.randn(num_blocks + 1, kv_heads, block, dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # scattered tables, as after churn
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        False, block, torch.zeros(len(lens), dtype=torch.long),
+        block_tables=torch.tensor([t + [num_blocks] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32))
+    # queries as the model passes them: a strided view into a fused qkv row
+    qkv = torch.randn(len(lens), (kv_heads * groups + 2 * kv_heads) * dim, dtype=dtype)
+    query = qkv.view(len(lens), -1, dim)[:, : kv_heads * groups]
+    scale = dim**-0.5
+    out = fused.decode_attention(query, (k_cache, v_cache), meta, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for row, (n, table) in enumerate(zip(lens, tables)):
+        blocks = torch.tensor(table)
+        k = k_cache[blocks].transpose(1, 2).reshape(-1, kv_heads, dim)[:n]
+        v = v_cache[blocks].transpose(1, 2).reshape(-1, kv_heads, dim)[:n]
+        want = dense_reference(query[row], k, v, scale)
+        torch.testing.assert_close(out[row].double(), want, atol=tol, rtol=tol)
+
+
+def test_kernels_refuse_out_of_range_indices(fused) -> None:
+    block, dim = 4, 8
+    cache = (torch.zeros(3, 1, block, dim), torch.zeros(3, 1, block, dim))
+    query = torch.randn(1, 2, dim)
+    tables = torch.tensor([[0, 7]], dtype=torch.int32)
+    bad_block = AttentionMetadata(False, block, torch.zeros(1, dtype=torch.long),
+                                  block_tables=tables, seq_lens=torch.tensor([6], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="out of the cache"):
+        fused.decode_attention(query, cache, bad_block, 1.0)
+    too_long = AttentionMetadata(False, block, torch.zeros(1, dtype=torch.long),
+                                 block_tables=tables[:, :1], seq_lens=torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        fused.decode_attention(query, cache, too_long, 1.0)
+    qkv = torch.randn(1, 4 * dim)
+    rope = (torch.ones(1, 1, dim), torch.zeros(1, 1, dim))
+    with pytest.raises(RuntimeError, match="out of the cache"):
+        fused.rotary_write_kv(qkv, rope, cache, AttentionMetadata(
+            True, block, torch.tensor([3 * block])), 2, 1)
+
+
+def test_engine_uses_kernels_on_cpu_unless_disabled(fused, tiny_model) -> None:
+    from server import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for flag in ("1", "0"):
+        llm = LLM(tiny_model[0], dtype="float32", block_size=16,
+                  environ={"HPU_SERVE_CPU_KERNELS": flag})
+        runner = llm.engine.runner
+        assert runner.decode_layout == ("block_tables" if flag == "1" else "flat")
+        assert runner.model.layers[0].self_attn.ops.name == ("fused-cpu" if flag == "1"
+                                                             else "torch")
+        outputs[flag] = [o.outputs[0].token_ids for o in llm.generate(
+            ["the quick brown fox", "paged attention"], params)]
+    assert outputs["1"] == outputs["0"]
