@@ -266,6 +266,7 @@ class LLMEngine:
             ops = FusedCpuLayerOps()
             loaded.model.use_ops(ops)
             self.runner.decode_layout = ops.decode_layout
+            self.runner.kv_caches = ops.kv_cache_views(self.runner.kv_caches)
             logger.info("Layer ops: %s (decode attention reads KV blocks in place)", ops.name)
 
     def _num_kv_blocks(self, config: EngineConfig, loaded: LoadedModel) -> int:

@@ -28,6 +28,10 @@ class TorchLayerOps:
     # Decode metadata this backend reads: the flat block list of vLLM's Gaudi backend.
     decode_layout = "flat"
 
+    def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
+        """The engine's caches (``[blocks, Hkv, B, D]`` each) as this backend lays them out."""
+        return kv_caches
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Normalise in float32 like the reference implementation, whatever the weight dtype.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
@@ -70,6 +74,12 @@ class FusedCpuLayerOps(TorchLayerOps):
     name = "fused-cpu"
     # Decode metadata: per-row block tables and lengths, read in place by the kernel.
     decode_layout = "block_tables"
+
+    def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
+        """Keys transposed within each block, ``[blocks, Hkv, D, B]`` (see the kernels'
+        header): the same zero-filled memory, so this is only valid before any write."""
+        return [(k.view(k.shape[0], k.shape[1], k.shape[3], k.shape[2]), v)
+                for k, v in kv_caches]
 
     def __init__(self) -> None:
         ops = torch.ops.hpu_serve

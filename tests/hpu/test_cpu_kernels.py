@@ -63,16 +63,18 @@ def test_rotary_and_cache_write_match_torch(fused, dtype, tokens, heads, kv_head
     caches = {}
     results = {}
     for name, ops in (("torch", ref), ("fused", fused)):
-        cache = (torch.zeros(num_blocks, kv_heads, block, dim, dtype=dtype),
-                 torch.zeros(num_blocks, kv_heads, block, dim, dtype=dtype))
-        results[name] = ops.rotary_write_kv(qkv.clone(), rope, cache, meta, heads, kv_heads)
-        caches[name] = cache
+        cache = ops.kv_cache_views([(torch.zeros(num_blocks, kv_heads, block, dim, dtype=dtype),
+                                     torch.zeros(num_blocks, kv_heads, block, dim, dtype=dtype))])
+        results[name] = ops.rotary_write_kv(qkv.clone(), rope, cache[0], meta, heads, kv_heads)
+        caches[name] = cache[0]
     for got, want in zip(results["fused"], results["torch"]):
         assert got.shape == want.shape
         assert_same(dtype, got, want)
-    for got, want in zip(caches["fused"], caches["torch"]):
-        assert_same(dtype, got, want)
-        assert got.abs().sum() > 0  # the tokens' slots were written
+    fused_keys, fused_values = caches["fused"]
+    assert fused_keys.shape == (num_blocks, kv_heads, dim, block)  # keys transposed per block
+    assert_same(dtype, fused_keys.transpose(2, 3), caches["torch"][0])
+    assert_same(dtype, fused_values, caches["torch"][1])
+    assert fused_values.abs().sum() > 0  # the tokens' slots were written
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -85,15 +87,18 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_heads, groups, dim", [(3, 3, 64), (2, 4, 128), (1, 2, 40)])
-def test_decode_attention_matches_dense(fused, dtype, kv_heads, groups, dim) -> None:
+@pytest.mark.parametrize("kv_heads, groups, dim, block", [
+    (3, 3, 64, 16), (2, 4, 128, 32), (1, 2, 40, 12)])  # 12: a block that is no whole chunk
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 48, 130, 3], [130], [17, 2]],
+                         ids=["rows-per-thread", "one-row", "two-rows"])  # the two splits
+def test_decode_attention_matches_dense(fused, dtype, kv_heads, groups, dim, block,
+                                        lens) -> None:
     rng = random.Random(dim)
     torch.manual_seed(dim)
-    block = 16
-    lens = [1, 15, 16, 17, 48, 130, 3]  # one token, block edges, several blocks
     num_blocks = sum(-(-n // block) for n in lens) + 5
     k_cache = torch.randn(num_blocks + 1, kv_heads, block, dim, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
+    keys_t = k_cache.transpose(2, 3).contiguous()  # the kernels' key layout
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered tables, as after churn
     tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
@@ -107,7 +112,7 @@ def test_decode_attention_matches_dense(fused, dtype, kv_heads, groups, dim) -> 
     qkv = torch.randn(len(lens), (kv_heads * groups + 2 * kv_heads) * dim, dtype=dtype)
     query = qkv.view(len(lens), -1, dim)[:, : kv_heads * groups]
     scale = dim**-0.5
-    out = fused.decode_attention(query, (k_cache, v_cache), meta, scale)
+    out = fused.decode_attention(query, (keys_t, v_cache), meta, scale)
     assert out.shape == query.shape and out.dtype == dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for row, (n, table) in enumerate(zip(lens, tables)):
@@ -120,7 +125,7 @@ def test_decode_attention_matches_dense(fused, dtype, kv_heads, groups, dim) -> 
 
 def test_kernels_refuse_out_of_range_indices(fused) -> None:
     block, dim = 4, 8
-    cache = (torch.zeros(3, 1, block, dim), torch.zeros(3, 1, block, dim))
+    cache = (torch.zeros(3, 1, dim, block), torch.zeros(3, 1, block, dim))
     query = torch.randn(1, 2, dim)
     tables = torch.tensor([[0, 7]], dtype=torch.int32)
     bad_block = AttentionMetadata(False, block, torch.zeros(1, dtype=torch.long),

@@ -7,8 +7,12 @@
 // attention also reads every cached K/V row once, straight from its block, where the
 // PyTorch path first gathers the blocks into a copy.
 //
-// Layouts are the engine's: KV cache [num_blocks + 1, kv_heads, block_size, head_dim]
-// (head-major blocks), slot = block * block_size + offset.
+// Cache layout (per layer, slot = block * block_size + offset): values
+// [num_blocks + 1, kv_heads, block_size, head_dim] as everywhere in the engine, keys
+// transposed within each block, [num_blocks + 1, kv_heads, head_dim, block_size], so that
+// decode attention computes 16 tokens' scores per vector instruction without horizontal
+// sums. Only these kernels read or write that key layout (FusedCpuLayerOps views the
+// engine's zero-filled cache that way when it takes over).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -217,6 +221,17 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// keys [blocks, Hkv, D, B] (transposed blocks), values [blocks, Hkv, B, D].
+void check_cache_layout(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        int64_t num_kv_heads, int64_t dim) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == num_kv_heads && v_cache.size(1) == num_kv_heads &&
+                  k_cache.size(2) == dim && v_cache.size(3) == dim &&
+                  k_cache.size(3) == v_cache.size(2),
+              "caches must be keys [blocks, kv_heads, head_dim, block_size] and values "
+              "[blocks, kv_heads, block_size, head_dim]");
+}
+
 // Rotate-half RoPE of one head in place: x * cos + cat(-x2, x1) * sin, each product and the
 // sum rounded to T like the PyTorch expression in the model dtype.
 template <typename T>
@@ -243,7 +258,7 @@ void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tens
                           int64_t num_heads, int64_t num_kv_heads) {
   const int64_t tokens = qkv.size(0);
   const int64_t dim = cos.size(-1);
-  const int64_t block = k_cache.size(2);
+  const int64_t block = v_cache.size(2);
   T* base = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
@@ -264,9 +279,11 @@ void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       const int64_t blk = slot[t] / block;
       const int64_t off = slot[t] % block;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t dst = ((blk * num_kv_heads + h) * block + off) * dim;
-        std::memcpy(kc + dst, x + (num_heads + h) * dim, dim * sizeof(T));
-        std::memcpy(vc + dst, x + (num_heads + num_kv_heads + h) * dim, dim * sizeof(T));
+        const T* key = x + (num_heads + h) * dim;
+        T* key_dst = kc + (blk * num_kv_heads + h) * dim * block + off;  // [dim, block]
+        for (int64_t d = 0; d < dim; ++d) key_dst[d * block] = key[d];
+        std::memcpy(vc + ((blk * num_kv_heads + h) * block + off) * dim,
+                    x + (num_heads + num_kv_heads + h) * dim, dim * sizeof(T));
       }
     }
   });
@@ -292,9 +309,7 @@ void rotary_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   const int64_t dim = cos.size(1);
   TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim,
               "qkv width must be (num_heads + 2 * num_kv_heads) * head_dim");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(1) == num_kv_heads && k_cache.size(3) == dim,
-              "caches must be [blocks, num_kv_heads, block_size, head_dim]");
+  check_cache_layout(k_cache, v_cache, num_kv_heads, dim);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == qkv.size(0),
               "slot_mapping must be int64 [tokens]");
@@ -308,94 +323,158 @@ void rotary_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 }
 
 // Attention of one (row, kv head): its query heads against the row's cached keys/values,
-// block by block, with an online softmax in fp32. Each key and value row is read once and
-// widened once for all the query heads that share it. DIM is a template parameter so the
-// per-row loops unroll into registers (0: any head size, slower).
-template <typename T, int DIM>
-struct HeadAttention {
-  int64_t dim, groups, block;
-  std::vector<float> q, acc, probs, row, run_max, run_sum;
+// block by block, with an online softmax in fp32. Each key and value is read once for all
+// the query heads that share it.
 
-  HeadAttention(int64_t dim_, int64_t groups_, int64_t block_)
-      : dim(DIM > 0 ? DIM : dim_), groups(groups_), block(block_), q(groups_ * dim),
-        acc(groups_ * dim), probs(groups_ * block_), row(dim), run_max(groups_),
-        run_sum(groups_) {}
+// The softmax part of one block for query head g: probs p[0..n) hold the scores on entry
+// and exp(score - running max) on exit; the running sum and the accumulated output (dim
+// floats) are rescaled when the max grows.
+inline void softmax_block(float* p, int64_t n, float& run_max, float& run_sum, float* acc,
+                          int64_t dim) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float block_max = neg_inf;
+  for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, p[j]);
+  const float new_max = std::max(run_max, block_max);
+  // 0 on the first block (run_max is -inf there), 1 while the max holds.
+  const float correction = run_max == neg_inf ? 0.f : fast_exp(run_max - new_max);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = fast_exp(p[j] - new_max);
+    sum += p[j];
+  }
+  run_sum = run_sum * correction + sum;
+  run_max = new_max;
+  if (correction != 1.f) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= correction;
+  }
+}
+
+// Any head size, group count and block size: runtime loops (the fallback).
+template <typename T>
+struct GenericHead {
+  int64_t dim, groups, block;
+  std::vector<float> q, acc, probs, run_max, run_sum;
+
+  GenericHead(int64_t dim_, int64_t groups_, int64_t block_)
+      : dim(dim_), groups(groups_), block(block_), q(groups_ * dim_), acc(groups_ * dim_),
+        probs(groups_ * block_), run_max(groups_), run_sum(groups_) {}
 
   void start(const T* query, int64_t head_stride, float scale) {
-    const int64_t n = DIM > 0 ? DIM : dim;
     for (int64_t g = 0; g < groups; ++g) {
-      float* dst = q.data() + g * n;
-#pragma omp simd
-      for (int64_t d = 0; d < n; ++d) dst[d] = load(query + g * head_stride, d) * scale;
+      for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = load(query + g * head_stride, d) * scale;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
     std::fill(run_sum.begin(), run_sum.end(), 0.f);
   }
 
-  // n tokens of one block: keys/values [block, dim] rows.
-  void block_step(const T* keys, const T* values, int64_t n) {
-    const int64_t d_n = DIM > 0 ? DIM : dim;
-    float* r = row.data();
-    for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-      for (int64_t d = 0; d < d_n; ++d) r[d] = load(keys + j * d_n, d);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* qg = q.data() + g * d_n;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < d_n; ++d) s += qg[d] * r[d];
-        probs[g * block + j] = s;
-      }
-    }
-    const float neg_inf = -std::numeric_limits<float>::infinity();
+  // n tokens of one block: keys_t [dim, block], values [block, dim].
+  void block_step(const T* keys_t, const T* values, int64_t n) {
     for (int64_t g = 0; g < groups; ++g) {
       float* p = probs.data() + g * block;
-      float block_max = neg_inf;
-      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, p[j]);
-      const float new_max = std::max(run_max[g], block_max);
-      // 0 on the first block (run_max is -inf there), 1 while the max holds.
-      const float correction = run_max[g] == neg_inf ? 0.f : fast_exp(run_max[g] - new_max);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
+      std::fill(p, p + n, 0.f);
+      for (int64_t d = 0; d < dim; ++d) {
+        const float qd = q[g * dim + d];
+        for (int64_t j = 0; j < n; ++j) p[j] += qd * load(keys_t + d * block, j);
+      }
+      softmax_block(p, n, run_max[g], run_sum[g], acc.data() + g * dim, dim);
+      float* a = acc.data() + g * dim;
       for (int64_t j = 0; j < n; ++j) {
-        p[j] = fast_exp(p[j] - new_max);
-        sum += p[j];
-      }
-      run_sum[g] = run_sum[g] * correction + sum;
-      run_max[g] = new_max;
-      if (correction != 1.f) {
-        float* a = acc.data() + g * d_n;
-#pragma omp simd
-        for (int64_t d = 0; d < d_n; ++d) a[d] *= correction;
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-      for (int64_t d = 0; d < d_n; ++d) r[d] = load(values + j * d_n, d);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float pj = probs[g * block + j];
-        float* a = acc.data() + g * d_n;
-#pragma omp simd
-        for (int64_t d = 0; d < d_n; ++d) a[d] += pj * r[d];
+        for (int64_t d = 0; d < dim; ++d) a[d] += p[j] * load(values + j * dim, d);
       }
     }
   }
 
   void finish(T* out) {
-    const int64_t d_n = DIM > 0 ? DIM : dim;
     for (int64_t g = 0; g < groups; ++g) {
       // An empty sequence (never scheduled, but cheap to guard) yields zeros, not NaN.
       const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
-      const float* a = acc.data() + g * d_n;
+      for (int64_t d = 0; d < dim; ++d) store(out + g * dim, d, acc[g * dim + d] * inv);
+    }
+  }
+};
+
+// 16 fp32 lanes (one AVX-512 register, two AVX2 ones, four NEON ones).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline f32x16 load16(const BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The common shapes (G query heads per kv head, head size DIM, blocks of a multiple of 16
+// tokens) with G and DIM known at compile time: scores for 16 tokens accumulate in G
+// registers from the transposed key block, one widening load per (head dim, 16 tokens);
+// outputs accumulate 16 dims at a time in G registers, one widening load per (token, 16
+// dims). Each key/value element is loaded and widened once.
+template <typename T, int G, int DIM>
+struct FastHead {
+  int64_t block;
+  alignas(64) float q[G][DIM];
+  alignas(64) float acc[G][DIM];
+  float run_max[G], run_sum[G];
+  std::vector<float> probs;
+
+  FastHead(int64_t, int64_t, int64_t block_) : block(block_), probs(G * block_) {}
+
+  void start(const T* query, int64_t head_stride, float scale) {
+    for (int g = 0; g < G; ++g) {
 #pragma omp simd
-      for (int64_t d = 0; d < d_n; ++d) store(out + g * d_n, d, a[d] * inv);
+      for (int d = 0; d < DIM; ++d) q[g][d] = load(query + g * head_stride, d) * scale;
+      std::fill(acc[g], acc[g] + DIM, 0.f);
+      run_max[g] = -std::numeric_limits<float>::infinity();
+      run_sum[g] = 0.f;
+    }
+  }
+
+  void block_step(const T* keys_t, const T* values, int64_t n) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      f32x16 s[G] = {};
+      for (int d = 0; d < DIM; ++d) {
+        const f32x16 k = load16(keys_t + d * block + j0);
+        for (int g = 0; g < G; ++g) s[g] += q[g][d] * k;
+      }
+      for (int g = 0; g < G; ++g) store16(probs.data() + g * block + j0, s[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      softmax_block(probs.data() + g * block, n, run_max[g], run_sum[g], acc[g], DIM);
+    }
+    for (int d0 = 0; d0 < DIM; d0 += 16) {
+      f32x16 a[G];
+      for (int g = 0; g < G; ++g) a[g] = load16(acc[g] + d0);
+      for (int64_t j = 0; j < n; ++j) {
+        const f32x16 v = load16(values + j * DIM + d0);
+        for (int g = 0; g < G; ++g) a[g] += probs[g * block + j] * v;
+      }
+      for (int g = 0; g < G; ++g) store16(acc[g] + d0, a[g]);
+    }
+  }
+
+  void finish(T* out) {
+    for (int g = 0; g < G; ++g) {
+      const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+#pragma omp simd
+      for (int d = 0; d < DIM; ++d) store(out + g * DIM, d, acc[g][d] * inv);
     }
   }
 };
 
 // One decode token per row against its sequence's blocks; work items are (row, kv head).
-template <typename T, int DIM>
+template <typename T, typename Head>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -403,7 +482,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
   const int64_t num_heads = query.size(1);
   const int64_t dim = query.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
-  const int64_t block = k_cache.size(2);
+  const int64_t block = v_cache.size(2);
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t q_row = query.stride(0);
   const int64_t q_head = query.stride(1);
@@ -417,19 +496,76 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
+  // Element offset of block b of row r, kv head h, in either cache (-1: past the row's end).
+  auto block_offset = [&](int64_t r, int64_t h, int64_t b) -> int64_t {
+    if (b * block >= lens[r]) return -1;
+    const int64_t blk = tables[r * table_width + b];
+    TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " out of the cache");
+    return (blk * num_kv_heads + h) * block * dim;
+  };
+  // Blocks are short scattered streams (block x dim elements per head): the hardware
+  // prefetcher ramps up too late on them (measured: ~10 GB/s from DRAM against 36 GB/s
+  // from cache), so the next block is requested while this one is computed.
+  const int64_t block_bytes = block * dim * static_cast<int64_t>(sizeof(T));
+  auto prefetch = [&](int64_t offset) {
+    if (offset < 0) return;
+    const char* k = reinterpret_cast<const char*>(kc + offset);
+    const char* v = reinterpret_cast<const char*>(vc + offset);
+    for (int64_t i = 0; i < block_bytes; i += 64) {
+      __builtin_prefetch(k + i);
+      __builtin_prefetch(v + i);
+    }
+  };
+  auto check_len = [&](int64_t r) {
+    TORCH_CHECK(lens[r] >= 0 && lens[r] <= table_width * block, "seq_len ", lens[r],
+                " of row ", r, " exceeds its block table");
+  };
+
+  if (rows >= 2 * at::get_num_threads()) {
+    // Enough rows to keep every thread busy: a thread takes whole rows and walks each
+    // block's kv heads in memory order (one block's heads are contiguous), which streams
+    // better than visiting the same block once per head.
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<Head> heads;
+      for (int64_t h = 0; h < num_kv_heads; ++h) heads.emplace_back(dim, groups, block);
+      for (int64_t r = begin; r < end; ++r) {
+        check_len(r);
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          heads[h].start(qp + r * q_row + h * groups * q_head, q_head, fscale);
+        }
+        const int64_t len = lens[r];
+        for (int64_t start = 0, b = 0; start < len; start += block, ++b) {
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t next = h + 1 < num_kv_heads ? block_offset(r, h + 1, b)
+                                                      : block_offset(r, 0, b + 1);
+            prefetch(next >= 0 ? next : (r + 1 < end ? block_offset(r + 1, 0, 0) : -1));
+            const int64_t offset = block_offset(r, h, b);
+            heads[h].block_step(kc + offset, vc + offset, std::min(block, len - start));
+          }
+        }
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          heads[h].finish(op + (r * num_heads + h * groups) * dim);
+        }
+      }
+    });
+    return;
+  }
+  // Few rows (latency-bound small batches): split each row's kv heads across threads.
   at::parallel_for(0, rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    HeadAttention<T, DIM> head(dim, groups, block);
+    Head head(dim, groups, block);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / num_kv_heads;
       const int64_t h = item % num_kv_heads;
-      const int64_t len = lens[r];
-      TORCH_CHECK(len >= 0 && len <= table_width * block, "seq_len ", len, " of row ", r,
-                  " exceeds its block table");
+      check_len(r);
       head.start(qp + r * q_row + h * groups * q_head, q_head, fscale);
+      const int64_t len = lens[r];
       for (int64_t start = 0, b = 0; start < len; start += block, ++b) {
-        const int64_t blk = tables[r * table_width + b];
-        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " out of the cache");
-        const int64_t offset = (blk * num_kv_heads + h) * block * dim;
+        const int64_t next = block_offset(r, h, b + 1);
+        prefetch(next >= 0 ? next
+                           : (item + 1 < end ? block_offset((item + 1) / num_kv_heads,
+                                                            (item + 1) % num_kv_heads, 0)
+                                             : -1));
+        const int64_t offset = block_offset(r, h, b);
         head.block_step(kc + offset, vc + offset, std::min(block, len - start));
       }
       head.finish(op + (r * num_heads + h * groups) * dim);
@@ -437,25 +573,52 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
   });
 }
 
+template <typename T, int DIM>
+bool dispatch_groups(int64_t groups, const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+#define HPU_SERVE_GROUPS(G)                                                                 \
+  case G:                                                                                  \
+    decode_attention_impl<T, FastHead<T, G, DIM>>(query, k_cache, v_cache, block_tables,    \
+                                                  seq_lens, scale, out);                   \
+    return true;
+  switch (groups) {
+    HPU_SERVE_GROUPS(1)
+    HPU_SERVE_GROUPS(2)
+    HPU_SERVE_GROUPS(3)
+    HPU_SERVE_GROUPS(4)
+    HPU_SERVE_GROUPS(5)
+    HPU_SERVE_GROUPS(6)
+    HPU_SERVE_GROUPS(7)
+    HPU_SERVE_GROUPS(8)
+    default:
+      return false;
+  }
+#undef HPU_SERVE_GROUPS
+}
+
 template <typename T>
 void decode_attention_dispatch(const at::Tensor& query, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  switch (query.size(2)) {
-    case 64:
-      return decode_attention_impl<T, 64>(query, k_cache, v_cache, block_tables, seq_lens,
-                                          scale, out);
-    case 128:
-      return decode_attention_impl<T, 128>(query, k_cache, v_cache, block_tables, seq_lens,
-                                           scale, out);
-    default:
-      return decode_attention_impl<T, 0>(query, k_cache, v_cache, block_tables, seq_lens,
-                                         scale, out);
+  const int64_t groups = query.size(1) / k_cache.size(1);
+  const int64_t dim = query.size(2);
+  if (v_cache.size(2) % 16 == 0) {
+    if (dim == 64 && dispatch_groups<T, 64>(groups, query, k_cache, v_cache, block_tables,
+                                             seq_lens, scale, out)) {
+      return;
+    }
+    if (dim == 128 && dispatch_groups<T, 128>(groups, query, k_cache, v_cache, block_tables,
+                                               seq_lens, scale, out)) {
+      return;
+    }
   }
+  decode_attention_impl<T, GenericHead<T>>(query, k_cache, v_cache, block_tables, seq_lens,
+                                           scale, out);
 }
 
-// query [rows, Hq, D] (rows and heads may be strided, e.g. a view into qkv), caches
-// [blocks, Hkv, B, D], block_tables int32 [rows, width], seq_lens int32 [rows] (tokens of
+// query [rows, Hq, D] (rows and heads may be strided, e.g. a view into qkv), caches as in
+// check_cache_layout, block_tables int32 [rows, width], seq_lens int32 [rows] (tokens of
 // each row, including the one being decoded) -> [rows, Hq, D].
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -468,9 +631,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "query must be fp32 or bf16");
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "caches must have query's dtype");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(3) == query.size(2) && query.size(1) % k_cache.size(1) == 0,
-              "caches must be [blocks, kv_heads, block_size, head_dim], heads a multiple");
+  check_cache_layout(k_cache, v_cache, k_cache.size(1), query.size(2));
+  TORCH_CHECK(query.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2 && block_tables.size(0) == query.size(0),
               "block_tables must be int32 [rows, width]");
