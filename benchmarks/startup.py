@@ -1,5 +1,6 @@
-"""Start-up cost of the real daemon: load + warmup of the default configuration, and a cold vs
-warm start of the compiled mode with torch's compile cache on disk (TORCHINDUCTOR_CACHE_DIR).
+"""Start-up cost of the real daemon, cold vs warm: the default configuration (eager CPU with
+the fused kernels, built on first start into HPU_SERVE_KERNEL_CACHE), and the compiled mode
+with torch's compile cache on disk (TORCHINDUCTOR_CACHE_DIR).
 
     python benchmarks/startup.py [--model PATH] [--compile-args ...]
 
@@ -76,8 +77,13 @@ def main() -> None:
                         help="limits for the compiled runs (each bucket is one compilation)")
     args = parser.parse_args()
 
-    default = start_once(args.model, [], {})
-    show("default configuration", default)
+    with tempfile.TemporaryDirectory(prefix="kernel-cache-") as kernels:
+        env = {"HPU_SERVE_KERNEL_CACHE": kernels}
+        cold = start_once(args.model, [], env)
+        show("default, cold (kernels built)", cold)
+        warm = start_once(args.model, [], env)
+        show("default, warm (restart)", warm)
+    print(f"default warm / cold: ready {warm['ready_s'] / cold['ready_s']:.2f}x")
     with tempfile.TemporaryDirectory(prefix="inductor-cache-") as cache:
         env = {"TORCHINDUCTOR_CACHE_DIR": cache}
         flags = ["--execution-mode", "compile", *args.compile_args]

@@ -75,6 +75,8 @@ class DeviceConfig:
     # Eager CPU: fused C++ kernels for norms, RoPE + KV writes, SiLU and decode attention
     # (HPU_SERVE_CPU_KERNELS=0 keeps plain PyTorch ops, e.g. where no compiler exists).
     cpu_kernels: bool = True
+    # Where they are built (HPU_SERVE_KERNEL_CACHE; default ~/.cache/hpu-serve/kernels).
+    kernel_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.execution_mode not in ("auto", "eager", "compile", "graphs"):
@@ -175,7 +177,8 @@ def engine_config_from_args(
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             execution_mode=args.execution_mode,
                             hpu_lazy_mode=_flag(env.get("PT_HPU_LAZY_MODE", "1")),
-                            cpu_kernels=_flag(env.get("HPU_SERVE_CPU_KERNELS", "1"))),
+                            cpu_kernels=_flag(env.get("HPU_SERVE_CPU_KERNELS", "1")),
+                            kernel_cache_dir=env.get("HPU_SERVE_KERNEL_CACHE") or None),
         warmup=WarmupConfig(
             skip=_flag(env.get("VLLM_SKIP_WARMUP", "false")),
             graph_reserved_mem=float(env.get("VLLM_GRAPH_RESERVED_MEM", "0.1")),

@@ -262,7 +262,7 @@ class LLMEngine:
         if quant != "none" and self.source.is_gguf and int4_supported(loaded.dtype):
             attach_int4_weights(loaded.model, load_int4_weights(self.source, loaded.config),
                                 GROUP_SIZE, INT4_MAX_ROWS, loaded.dtype)
-        if config.device.cpu_kernels and load_cpu_kernels():
+        if config.device.cpu_kernels and load_cpu_kernels(config.device.kernel_cache_dir):
             ops = FusedCpuLayerOps()
             loaded.model.use_ops(ops)
             self.runner.decode_layout = ops.decode_layout

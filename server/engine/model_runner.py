@@ -117,6 +117,13 @@ class ModelRunner:
         # Pad rows point at token 0: their logits are computed (static shape) and dropped.
         logits_indices = (torch.arange(bs) * q + seq_lens - 1).clamp(min=0)
         meta = AttentionMetadata(True, block, slot_mapping.to(self.device))
+        if self.decode_layout == "block_tables":
+            # Every token is a row of the paged-attention kernel: its sequence's table and
+            # the keys up to itself (causal); pad tokens see their row's real keys.
+            meta.block_tables = block_tables.to(torch.int32).repeat_interleave(q, dim=0).to(
+                self.device)
+            token_lens = torch.minimum(positions + 1, seq_lens.clamp(min=1).unsqueeze(1))
+            meta.seq_lens = token_lens.reshape(-1).to(torch.int32).to(self.device)
         return ForwardInputs(
             token_ids.to(self.device),
             torch.where(is_real, positions, 0).to(self.device),

@@ -14,7 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.hpu.attention import AttentionMetadata, flat_paged_attention, write_kv
+from server.hpu.attention import (
+    AttentionMetadata,
+    flat_paged_attention,
+    prompt_attention,
+    write_kv,
+)
 from server.models.rotary import apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -61,6 +66,19 @@ class TorchLayerOps:
         value = heads[:, num_heads + num_kv_heads :]
         write_kv(kv_cache[0], kv_cache[1], key, value, meta)
         return query, key, value
+
+    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float
+                         ) -> torch.Tensor:
+        """Causal attention of a right-padded prefill batch: q ``[bs * q, Hq, D]``, k / v
+        ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``."""
+        del kv_cache  # no context beyond the prompt itself: the fresh k / v suffice
+        tokens, heads, dim = query.shape
+        q_len = tokens // bs
+        out = prompt_attention(query.view(bs, q_len, heads, dim),
+                               key.view(bs, q_len, key.shape[1], dim),
+                               value.view(bs, q_len, value.shape[1], dim), scale)
+        return out.reshape(tokens, heads, dim)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                          scale: float) -> torch.Tensor:
@@ -111,6 +129,18 @@ class FusedCpuLayerOps(TorchLayerOps):
         heads = qkv.view(tokens, num_heads + 2 * num_kv_heads, -1)
         return (heads[:, :num_heads], heads[:, num_heads : num_heads + num_kv_heads],
                 heads[:, num_heads + num_kv_heads :])
+
+    # Up to this prompt length the paged kernel (one row per token, keys read from the
+    # cache just written) beats PyTorch's CPU flash attention. Measured on SmolLM2, whole
+    # prefill steps: 1.13x faster at 200 tokens, 1.14x at 512, 0.96x at 1000.
+    kernel_prompt_max = 768
+
+    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float
+                         ) -> torch.Tensor:
+        if meta.block_tables is None or query.shape[0] // bs > self.kernel_prompt_max:
+            return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale)
+        return self.decode_attention(query, kv_cache, meta, scale)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                          scale: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from server.hpu.attention import AttentionMetadata, prompt_attention
+from server.hpu.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layer_ops import KVCache, Rope, TorchLayerOps
 from server.models.rotary import RotaryEmbedding
@@ -55,12 +55,7 @@ class Attention(nn.Module):
         query, key, value = self.ops.rotary_write_kv(qkv, rope, kv_cache, meta, self.num_heads,
                                                      self.num_kv_heads)
         if meta.is_prompt:
-            out = prompt_attention(
-                query.view(bs, q_len, self.num_heads, self.head_dim),
-                key.view(bs, q_len, self.num_kv_heads, self.head_dim),
-                value.view(bs, q_len, self.num_kv_heads, self.head_dim),
-                self.scale,
-            )
+            out = self.ops.prompt_attention(query, key, value, kv_cache, meta, bs, self.scale)
         else:
             out = self.ops.decode_attention(query, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(bs, q_len, self.q_size))
