@@ -267,6 +267,8 @@ class LLMEngine:
             loaded.model.use_ops(ops)
             self.runner.decode_layout = ops.decode_layout
             self.runner.kv_caches = ops.kv_cache_views(self.runner.kv_caches)
+            argmax = torch.ops.hpu_serve.argmax.default
+            self.runner.sampler.argmax = lambda logits: argmax(logits.contiguous())
             logger.info("Layer ops: %s (decode attention reads KV blocks in place)", ops.name)
 
     def _num_kv_blocks(self, config: EngineConfig, loaded: LoadedModel) -> int:

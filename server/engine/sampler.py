@@ -7,6 +7,7 @@ here syncs with the host, so it can sit inside a captured graph later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -97,7 +98,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Logits ``[B, V]`` -> one token per row, plus logprobs when asked."""
+    """Logits ``[B, V]`` -> one token per row, plus logprobs when asked.
+
+    ``argmax`` is swappable: PyTorch's CPU argmax is a scalar loop, and the engine plugs in
+    the fused CPU kernel's (the same answer, ties to the first index) where it is built.
+    """
+
+    def __init__(self) -> None:
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
@@ -114,7 +122,7 @@ class Sampler:
         return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = self.argmax(logits)
         if t.all_greedy:
             return greedy_ids
         logits = logits / t.temperature.unsqueeze(1)
@@ -128,6 +136,10 @@ class Sampler:
             probs = probs * keep
         sampled = _inverse_cdf_sample(probs, t.generators)
         return torch.where(t.is_greedy, greedy_ids, sampled)
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -194,3 +194,20 @@ def test_prompt_attention_kernel_matches_sdpa_on_a_padded_batch(fused, dtype) ->
     for row, seq in enumerate(seqs):  # real tokens only: padding rows are never read
         real = slice(row * 37, row * 37 + seq.num_tokens)
         torch.testing.assert_close(got[real], want[real], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 15, 16, 49152 + 7])
+def test_argmax_matches_torch_including_ties_nan_and_infinities(fused, dtype, width) -> None:
+    torch.manual_seed(width)
+    x = torch.randn(9, width).to(dtype)
+    x[1] = 0.5  # all equal: the first index
+    x[2, width // 2] = float("inf")
+    x[3] = float("-inf")  # nothing finite: the first index
+    x[4, width - 1] = float("nan")  # NaN counts as the largest
+    x[5, -1] = 1e4
+    if width > 1:
+        x[6, 0] = x[6, width - 1] = 1e4  # a tie across the row: the first
+        x[7, width // 3] = x[7, width // 2] = float("nan")
+    got = torch.ops.hpu_serve.argmax(x)
+    assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1))

@@ -649,6 +649,77 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   return out;
 }
 
+// Index of each row's largest value (the first on ties, a NaN counting as largest), as
+// torch.argmax(x, -1): PyTorch's CPU argmax is a scalar loop (2.2 ms for 64 x 49k logits
+// measured, ~4% of a decode step). Here 16 lanes each keep their best value and its index
+// in one vectorised pass, then the lanes reduce to the first index of the maximum.
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+template <typename T>
+int64_t argmax_row(const T* row, int64_t n) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t whole = n / 16 * 16;
+  f32x16 best = f32x16{} + neg_inf;
+  i32x16 where = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  i32x16 position = where;
+  i32x16 nan = i32x16{};
+  for (int64_t i = 0; i < whole; i += 16) {
+    const f32x16 v = load16(row + i);
+    const i32x16 better = v > best;
+    best = better ? v : best;
+    where = better ? position : where;
+    nan |= v != v;
+    position += 16;
+  }
+  float top = neg_inf;
+  int64_t index = n;  // none yet
+  for (int l = 0; l < 16; ++l) {
+    if (nan[l]) {
+      for (int64_t i = 0; i < n; ++i) {
+        if (load(row, i) != load(row, i)) return i;
+      }
+    }
+    if (whole > 0 && best[l] != neg_inf &&
+        (best[l] > top || (best[l] == top && where[l] < index))) {
+      top = best[l];
+      index = where[l];
+    }
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    const float v = load(row, i);
+    if (v != v) return i;
+    if (v > top) {
+      top = v;
+      index = i;
+    }
+  }
+  return index == n ? 0 : index;  // all -inf: the first element, as torch
+}
+
+template <typename T>
+void argmax_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t n = x.size(-1);
+  const int64_t rows = x.numel() / n;
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+}
+
+at::Tensor argmax(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dim");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  at::Tensor out = at::empty(shape, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kBFloat16) {
+    argmax_impl<BFloat16>(x, out);
+  } else {
+    argmax_impl<float>(x, out);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hpu_serve, m) {
@@ -661,6 +732,7 @@ TORCH_LIBRARY(hpu_serve, m) {
   m.def(
       "decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hpu_serve, CPU, m) {
@@ -669,4 +741,5 @@ TORCH_LIBRARY_IMPL(hpu_serve, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("decode_attention", &decode_attention);
+  m.impl("argmax", &argmax);
 }
