@@ -3,7 +3,8 @@
     python benchmarks/roofline.py [--model PATH] [--ctx 200] [--batch 32]
 
 - bf16 matmul ceiling: best GFLOP/s of a large square bf16 matmul (plain or oneDNN-packed).
-- memory bandwidth: best GB/s of a large tensor copy (bytes read).
+- memory bandwidth: best GB/s of a large tensor copy (bytes read), and of a large sum (reads
+  only: the stricter ceiling, also reported).
 - batch-N decode (compute-bound regime): achieved GFLOP/s of the engine's decode step
   (2 x params FLOPs per token for the linear layers + attention over the context) / ceiling.
 - batch-1 decode (bandwidth-bound regime): bytes a token must read (weights as the step reads
@@ -52,6 +53,12 @@ def copy_bandwidth_gbs(mib: int = 512) -> float:
     return src.numel() * 4 / best_time(lambda: dst.copy_(src), 10) / 1e9
 
 
+def read_bandwidth_gbs(mib: int = 512) -> float:
+    """Best GB/s of a reduction over a large tensor: reads only, the stricter ceiling."""
+    src = torch.ones(mib * 2**20 // 4)
+    return src.numel() * 4 / best_time(lambda: src.sum(), 10) / 1e9
+
+
 def batch1_weight_bytes(model: nn.Module, element: int) -> int:
     """Bytes of weights one batch-1 decode step reads: 4-bit codes + scales where a layer
     serves small batches from them, the dense weight elsewhere."""
@@ -86,6 +93,7 @@ def main() -> None:
 
     ceiling = matmul_ceiling_gflops()
     bandwidth = copy_bandwidth_gbs()
+    read_bandwidth = read_bandwidth_gbs()
     step_n = decode_step_ms(llm, args.batch, args.ctx, args.steps) / 1000
     step_1 = decode_step_ms(llm, 1, args.ctx, args.steps) / 1000
     achieved = args.batch * (2 * linear_params + attn_flops) / step_n / 1e9
@@ -96,12 +104,14 @@ def main() -> None:
           f"dtype {next(model.parameters()).dtype}, linear params {linear_params / 1e6:.1f}M")
     print(f"bf16 matmul ceiling        {ceiling:8.1f} GFLOP/s (2048^3, best of plain / packed)")
     print(f"copy bandwidth             {bandwidth:8.1f} GB/s (512 MiB, bytes read)")
+    print(f"read bandwidth             {read_bandwidth:8.1f} GB/s (512 MiB sum)")
     print(f"decode batch {args.batch:<3}          {step_n * 1000:8.1f} ms/step  "
           f"{args.batch / step_n:7.1f} tok/s  {achieved:7.1f} GFLOP/s = "
           f"{achieved / ceiling:.2f} of the matmul ceiling")
     print(f"decode batch 1             {step_1 * 1000:8.1f} ms/step  {1 / step_1:7.1f} tok/s  "
           f"floor {floor_1 * 1000:.1f} ms ({bytes_1 / 1e6:.0f} MB at {bandwidth:.1f} GB/s) = "
-          f"{floor_1 / step_1:.2f} of the bandwidth ceiling")
+          f"{floor_1 / step_1:.2f} of the copy-bandwidth ceiling, "
+          f"{bytes_1 / (read_bandwidth * 1e9) / step_1:.2f} of the read-bandwidth one")
 
 
 if __name__ == "__main__":

@@ -178,7 +178,10 @@ def main() -> None:
                         default=["llama-server", "llama-cpp-python", "transformers"])
     parser.add_argument("--peer-python", default=str(ROOT / ".venv-peers" / "bin" / "python"),
                         help="python with llama-cpp-python[server] / transformers[serving]")
-    parser.add_argument("--llama-server", default="llama-server")
+    built = ROOT / ".bench-cache" / "llama.cpp-build" / "bin" / "llama-server"
+    parser.add_argument("--llama-server", default=str(built) if built.exists() else "llama-server",
+                        help="llama.cpp's server binary (default: the one setup_peers.sh "
+                             "builds, else llama-server on PATH)")
     parser.add_argument("--hpu-serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra flags for hpu-serve (must come last)")
     parser.add_argument("--result-file", default="compare-results.json")

@@ -333,6 +333,7 @@ inline void softmax_block(float* p, int64_t n, float& run_max, float& run_sum, f
                           int64_t dim) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float block_max = neg_inf;
+#pragma omp simd reduction(max : block_max)
   for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, p[j]);
   const float new_max = std::max(run_max, block_max);
   // 0 on the first block (run_max is -inf there), 1 while the max holds.
