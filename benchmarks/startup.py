@@ -1,6 +1,6 @@
 """Start-up cost of the real daemon, cold vs warm: the default configuration (eager CPU with
-the fused kernels, built on first start into HPU_SERVE_KERNEL_CACHE), and the compiled mode
-with torch's compile cache on disk (TORCHINDUCTOR_CACHE_DIR).
+the fused kernels and the GGUF tokenizer, built on first start into HPU_SERVE_CACHE_DIR), and
+the compiled mode with torch's compile cache on disk (TORCHINDUCTOR_CACHE_DIR).
 
     python benchmarks/startup.py [--model PATH] [--compile-args ...]
 
@@ -77,10 +77,10 @@ def main() -> None:
                         help="limits for the compiled runs (each bucket is one compilation)")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="kernel-cache-") as kernels:
-        env = {"HPU_SERVE_KERNEL_CACHE": kernels}
+    with tempfile.TemporaryDirectory(prefix="hpu-serve-cache-") as cache_dir:
+        env = {"HPU_SERVE_CACHE_DIR": cache_dir}
         cold = start_once(args.model, [], env)
-        show("default, cold (kernels built)", cold)
+        show("default, cold (kernels built)", cold)  # and the tokenizer converted
         warm = start_once(args.model, [], env)
         show("default, warm (restart)", warm)
     print(f"default warm / cold: ready {warm['ready_s'] / cold['ready_s']:.2f}x")

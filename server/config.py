@@ -75,8 +75,6 @@ class DeviceConfig:
     # Eager CPU: fused C++ kernels for norms, RoPE + KV writes, SiLU and decode attention
     # (HPU_SERVE_CPU_KERNELS=0 keeps plain PyTorch ops, e.g. where no compiler exists).
     cpu_kernels: bool = True
-    # Where they are built (HPU_SERVE_KERNEL_CACHE; default ~/.cache/hpu-serve/kernels).
-    kernel_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.execution_mode not in ("auto", "eager", "compile", "graphs"):
@@ -119,6 +117,10 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     bucketing_env: tuple[tuple[str, str], ...] = ()
+    # What start-up builds once and reuses on restarts: the fused CPU kernels and GGUF
+    # tokenizers converted to Hugging Face files (HPU_SERVE_CACHE_DIR; None: the default
+    # ~/.cache/hpu-serve, or a temp dir where that is not writable).
+    cache_dir: str | None = None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -177,8 +179,7 @@ def engine_config_from_args(
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             execution_mode=args.execution_mode,
                             hpu_lazy_mode=_flag(env.get("PT_HPU_LAZY_MODE", "1")),
-                            cpu_kernels=_flag(env.get("HPU_SERVE_CPU_KERNELS", "1")),
-                            kernel_cache_dir=env.get("HPU_SERVE_KERNEL_CACHE") or None),
+                            cpu_kernels=_flag(env.get("HPU_SERVE_CPU_KERNELS", "1"))),
         warmup=WarmupConfig(
             skip=_flag(env.get("VLLM_SKIP_WARMUP", "false")),
             graph_reserved_mem=float(env.get("VLLM_GRAPH_RESERVED_MEM", "0.1")),
@@ -187,6 +188,7 @@ def engine_config_from_args(
             decode_strategy=env.get("VLLM_GRAPH_DECODE_STRATEGY", "max_bs"),
         ),
         bucketing_env=bucketing_environment(env),
+        cache_dir=env.get("HPU_SERVE_CACHE_DIR") or None,
     )
 
 

@@ -22,7 +22,7 @@ from server.engine.sequence import Sequence
 from server.engine.tokenizer import Tokenizer
 from server.hpu.bucketing import bucketing_config, decode_buckets, format_plan, prompt_buckets
 from server.hpu.counters import DeviceCounters
-from server.hpu.cpu_kernels import load_cpu_kernels
+from server.hpu.cpu_kernels import load_cpu_kernels, writable_cache_dir
 from server.hpu.cpu_linear import (
     INT4_MAX_ROWS,
     attach_int4_weights,
@@ -70,9 +70,10 @@ class LLMEngine:
         self.model_name = config.model.served_model_name or self.source.name
         loaded = load_model(self.source, config.model.dtype, self.platform.device)
         self.model_config = loaded.config
+        self.cache_dir = writable_cache_dir(config.cache_dir)
         self.tokenizer = Tokenizer.from_model_path(
             self.source.folder, gguf_file=self.source.gguf_file,
-            chat_template=config.model.chat_template,
+            chat_template=config.model.chat_template, cache_dir=self.cache_dir / "tokenizers",
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             loaded.config.eos_token_ids
@@ -262,7 +263,7 @@ class LLMEngine:
         if quant != "none" and self.source.is_gguf and int4_supported(loaded.dtype):
             attach_int4_weights(loaded.model, load_int4_weights(self.source, loaded.config),
                                 GROUP_SIZE, INT4_MAX_ROWS, loaded.dtype)
-        if config.device.cpu_kernels and load_cpu_kernels(config.device.kernel_cache_dir):
+        if config.device.cpu_kernels and load_cpu_kernels(self.cache_dir / "kernels"):
             ops = FusedCpuLayerOps()
             loaded.model.use_ops(ops)
             self.runner.decode_layout = ops.decode_layout

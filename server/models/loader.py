@@ -7,6 +7,7 @@ Q/K row permutation is undone.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -126,10 +127,21 @@ def gguf_model_config(reader: object) -> ModelConfig:
 
 
 def _gguf_reader(source: ModelSource) -> object:
+    assert source.gguf_file is not None
+    path = os.path.join(source.folder, source.gguf_file)
+    stat = os.stat(path)
+    return _open_gguf(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> object:
+    """One parse per file: reading the metadata (a 49k-entry vocabulary for SmolLM2) takes
+    seconds, and loading, the 4-bit codes and the config all read the same file (size and
+    mtime in the key: a rewritten file is parsed again)."""
+    del size, mtime_ns
     import gguf
 
-    assert source.gguf_file is not None
-    return gguf.GGUFReader(os.path.join(source.folder, source.gguf_file))
+    return gguf.GGUFReader(path)
 
 
 def resolve_dtype(requested: str, cfg: ModelConfig, source: ModelSource, device: str) -> torch.dtype:

@@ -89,3 +89,26 @@ def test_chat_template_edge_cases(tiny_model, tmp_path) -> None:
         Tokenizer.from_hf(copy.deepcopy(tiny_model[2]), chat_template=str(tmp_path / "no.jinja"))
     with pytest.raises(ValueError, match="does not exist"):
         Tokenizer.from_model_path(str(tmp_path / "missing"))
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_conversion_is_cached(smollm2_gguf, smol: Tokenizer, tmp_path) -> None:
+    folder, gguf_file = smollm2_gguf
+    cold = Tokenizer.from_model_path(folder, gguf_file=gguf_file, cache_dir=tmp_path)
+    entries = list(tmp_path.iterdir())
+    assert len(entries) == 1 and (entries[0] / "tokenizer_config.json").exists()
+    warm = Tokenizer.from_model_path(folder, gguf_file=gguf_file, cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == entries  # reused, not converted again
+    texts = ["Hello world", "<|im_start|>user hi<|im_end|>", "héllo 日本語 🙂", " a\tb\n\nc  "]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for tok in (cold, warm):
+        assert [tok.encode(t) for t in texts] == [smol.encode(t) for t in texts]
+        assert tok.encode_chat(chat) == smol.encode_chat(chat)
+        assert (tok.eos_token_ids, tok.bos_token_id, tok.vocab_size) == (
+            smol.eos_token_ids, smol.bos_token_id, smol.vocab_size)
+    # a changed file is a different key: converted again next to the old entry
+    copy_dir = tmp_path / "copy"
+    copy_dir.mkdir()
+    shutil.copy(Path(folder) / gguf_file, copy_dir / gguf_file)
+    Tokenizer.from_model_path(str(copy_dir), gguf_file=gguf_file, cache_dir=tmp_path)
+    assert len([p for p in tmp_path.iterdir() if p.name != "copy"]) == 2
