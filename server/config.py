@@ -69,7 +69,7 @@ class DeviceConfig:
 
     device: str = "auto"  # auto | hpu | cuda | cpu
     enforce_eager: bool = False
-    # auto: graphs on HPU/CUDA, eager on CPU (compiled is ~1.2x faster but minutes to warm)
+    # auto: graphs on HPU/CUDA, eager on CPU (with the fused kernels: faster than compiled)
     execution_mode: str = "auto"  # auto | eager | compile | graphs
     hpu_lazy_mode: bool = True  # PT_HPU_LAZY_MODE
     # Eager CPU: fused C++ kernels for norms, RoPE + KV writes, SiLU and decode attention
