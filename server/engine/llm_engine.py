@@ -263,7 +263,10 @@ class LLMEngine:
         if quant != "none" and self.source.is_gguf and int4_supported(loaded.dtype):
             attach_int4_weights(loaded.model, load_int4_weights(self.source, loaded.config),
                                 GROUP_SIZE, INT4_MAX_ROWS, loaded.dtype)
-        if config.device.cpu_kernels and load_cpu_kernels(self.cache_dir / "kernels"):
+        if loaded.dtype not in FusedCpuLayerOps.dtypes:
+            logger.info("Fused CPU kernels serve float32 / bfloat16 only: %s runs PyTorch ops",
+                        str(loaded.dtype).replace("torch.", ""))
+        elif config.device.cpu_kernels and load_cpu_kernels(self.cache_dir / "kernels"):
             ops = FusedCpuLayerOps()
             loaded.model.use_ops(ops)
             self.runner.decode_layout = ops.decode_layout

@@ -92,6 +92,7 @@ class FusedCpuLayerOps(TorchLayerOps):
     name = "fused-cpu"
     # Decode metadata: per-row block tables and lengths, read in place by the kernel.
     decode_layout = "block_tables"
+    dtypes = (torch.float32, torch.bfloat16)  # what the kernels are compiled for
 
     def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
         """Keys transposed within each block, ``[blocks, Hkv, D, B]`` (see the kernels'

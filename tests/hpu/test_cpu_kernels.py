@@ -160,6 +160,16 @@ def test_engine_uses_kernels_on_cpu_unless_disabled(fused, tiny_model) -> None:
     assert outputs["1"] == outputs["0"]
 
 
+def test_float16_on_cpu_keeps_pytorch_ops(fused, tiny_model) -> None:
+    from server import LLM, SamplingParams
+
+    llm = LLM(tiny_model[0], dtype="float16", block_size=16)
+    assert llm.engine.runner.model.layers[0].mlp.ops.name == "torch"
+    out = llm.generate(["the quick"], SamplingParams(temperature=0, max_tokens=5,
+                                                     ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prompt_attention_kernel_matches_sdpa_on_a_padded_batch(fused, dtype) -> None:
     """Prefill through the paged kernel (one row per token, causal via per-token lengths)
