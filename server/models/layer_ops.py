@@ -2,11 +2,11 @@
 
 :class:`TorchLayerOps` is plain PyTorch with static shapes (every device, compiled graphs,
 the reference numerics). :class:`FusedCpuLayerOps` runs the same arithmetic as single calls
-into ``torch.ops.hpu_serve`` (``server/hpu/csrc/cpu_kernels.cpp``) for eager CPU serving,
-where per-op dispatch, not arithmetic, dominates small decode batches. The fused kernels
-round exactly where the PyTorch expressions round, so both give the same bf16 values; decode
-attention accumulates in fp32 in both (the kernel reads blocks straight from the cache
-instead of the flat block-list layout).
+into ``torch.ops.hpu_serve`` (``server/hpu/csrc/``) for eager CPU serving, where per-op
+dispatch, not arithmetic, dominates small decode batches. The fused norms, RoPE and SiLU
+round exactly where the PyTorch expressions round, so both give the same bf16 values;
+attention differs in the last bits only: the kernel keeps scores in fp32 where the flat
+path rounds them to the model dtype.
 """
 
 from __future__ import annotations

@@ -221,3 +221,23 @@ def test_argmax_matches_torch_including_ties_nan_and_infinities(fused, dtype, wi
         x[7, width // 3] = x[7, width // 2] = float("nan")
     got = torch.ops.hpu_serve.argmax(x)
     assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1))
+
+
+def test_a_failed_or_impossible_build_falls_back_to_pytorch_ops(tmp_path, monkeypatch,
+                                                                 caplog) -> None:
+    from server.hpu import cpu_kernels
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    failing = tmp_path / "c++"
+    failing.write_text("#!/bin/sh\necho 'fatal error: no such header' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: str(failing))
+    with caplog.at_level("WARNING"):
+        assert cpu_kernels._load(cache) is False
+    assert "no such header" in caplog.text
+    assert not list(cache.glob("*.so")) and not list(cache.glob(".build-*"))  # nothing left
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    with caplog.at_level("WARNING"):
+        assert cpu_kernels._load(cache) is False
+    assert "no C++ compiler" in caplog.text

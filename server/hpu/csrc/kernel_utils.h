@@ -1,0 +1,114 @@
+// Shared pieces of the fused CPU kernels: element loads/stores that widen to and round
+// from fp32 the way PyTorch's casts do, a vectorisable exp, 16-lane vector types and the
+// argument checks. Header-only (inline), included by each kernel file.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace hpu_serve {
+
+using c10::BFloat16;
+
+// Loads and stores by element, widening to / rounding from fp32. bf16 goes through its raw
+// bits (the top half of an fp32) so that loops over it vectorise.
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t nearest_even = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(nan ? 0x7FC0u : nearest_even);  // as PyTorch's cast
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const BFloat16* p, int64_t i) {
+  return bits_to_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
+}
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(BFloat16* p, int64_t i, float v) {
+  reinterpret_cast<uint16_t*>(p)[i] = float_to_bf16_bits(v);
+}
+
+// A float rounded through T and back: where the PyTorch path stores an intermediate in the
+// model dtype, so does the kernel.
+template <typename T>
+inline float rounded(float v) {
+  return v;
+}
+template <>
+inline float rounded<BFloat16>(float v) {
+  return bits_to_float(static_cast<uint32_t>(float_to_bf16_bits(v)) << 16);
+}
+
+// exp(x) for x in fp32, written so loops over it vectorise (std::exp is a scalar call):
+// 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial on |r| <= ln 2 / 2 (the Cephes
+// expf coefficients); within 2 ulp of std::exp above -87, below 1e-37 under it.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// 16 fp32 lanes (one AVX-512 register, two AVX2 ones, four NEON ones).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline f32x16 load16(const BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// keys [blocks, Hkv, D, B] (transposed blocks), values [blocks, Hkv, B, D].
+inline void check_cache_layout(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        int64_t num_kv_heads, int64_t dim) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == num_kv_heads && v_cache.size(1) == num_kv_heads &&
+                  k_cache.size(2) == dim && v_cache.size(3) == dim &&
+                  k_cache.size(3) == v_cache.size(2),
+              "caches must be keys [blocks, kv_heads, head_dim, block_size] and values "
+              "[blocks, kv_heads, block_size, head_dim]");
+}
+
+}  // namespace hpu_serve
