@@ -267,13 +267,9 @@ class LLMEngine:
             logger.info("Fused CPU kernels serve float32 / bfloat16 only: %s runs PyTorch ops",
                         str(loaded.dtype).replace("torch.", ""))
         elif config.device.cpu_kernels and load_cpu_kernels(self.cache_dir / "kernels"):
-            ops = FusedCpuLayerOps()
-            loaded.model.use_ops(ops)
-            self.runner.decode_layout = ops.decode_layout
-            self.runner.kv_caches = ops.kv_cache_views(self.runner.kv_caches)
-            argmax = torch.ops.hpu_serve.argmax.default
-            self.runner.sampler.argmax = lambda logits: argmax(logits.contiguous())
-            logger.info("Layer ops: %s (decode attention reads KV blocks in place)", ops.name)
+            self.runner.use_layer_ops(FusedCpuLayerOps())
+            logger.info("Layer ops: fused CPU kernels (decode attention reads KV blocks in "
+                        "place)")
 
     def _num_kv_blocks(self, config: EngineConfig, loaded: LoadedModel) -> int:
         cache = config.cache

@@ -19,6 +19,7 @@ from server.hpu.attention import AttentionMetadata
 from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import EagerRunner, ForwardInputs, GraphRunner
 from server.hpu.shapes import ShapePlanner
+from server.models.layer_ops import TorchLayerOps
 from server.models.llama import KVCache, LlamaForCausalLM
 
 # Additive mask value for unused slots of a block (finite: -inf - -inf would be NaN).
@@ -60,6 +61,14 @@ class ModelRunner:
         # "flat" (block list + one-hot mapping, any device) or "block_tables" (per-row
         # tables for the fused CPU kernel): whichever the model's layer ops read.
         self.decode_layout = "flat"
+
+    def use_layer_ops(self, ops: TorchLayerOps) -> None:
+        """Routes the model's fusable operations and the sampler's argmax to ``ops``, and
+        lays decode inputs and the KV caches out its way: before any KV is written."""
+        self.model.use_ops(ops)
+        self.decode_layout = ops.decode_layout
+        self.kv_caches = ops.kv_cache_views(self.kv_caches)
+        self.sampler.argmax = ops.argmax
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:

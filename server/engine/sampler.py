@@ -100,8 +100,8 @@ class SamplerOutput:
 class Sampler:
     """Logits ``[B, V]`` -> one token per row, plus logprobs when asked.
 
-    ``argmax`` is swappable: PyTorch's CPU argmax is a scalar loop, and the engine plugs in
-    the fused CPU kernel's (the same answer, ties to the first index) where it is built.
+    ``argmax`` is swappable: the model runner plugs in its layer ops' (the fused CPU kernel,
+    where PyTorch's CPU argmax is a scalar loop; the same answer, ties to the first index).
     """
 
     def __init__(self) -> None:

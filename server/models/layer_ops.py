@@ -84,6 +84,10 @@ class TorchLayerOps:
                          scale: float) -> torch.Tensor:
         return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy token per row of ``[B, V]`` logits (the first index on ties)."""
+        return logits.argmax(dim=-1)
+
 
 class FusedCpuLayerOps(TorchLayerOps):
     """Eager CPU backend: one kernel call per fused operation (needs the ops loaded by
@@ -107,6 +111,7 @@ class FusedCpuLayerOps(TorchLayerOps):
         self._silu_and_mul = ops.silu_and_mul.default
         self._rotary = ops.rotary_write_kv.default
         self._attention = ops.decode_attention.default
+        self._argmax = ops.argmax.default
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x.contiguous(), weight, eps)
@@ -148,3 +153,7 @@ class FusedCpuLayerOps(TorchLayerOps):
         assert meta.block_tables is not None and meta.seq_lens is not None
         return self._attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
                                meta.seq_lens, scale)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        # PyTorch's CPU argmax is a scalar loop: 64 x 49k logits took 2.0 ms against 0.23.
+        return self._argmax(logits.contiguous())
