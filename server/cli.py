@@ -89,8 +89,10 @@ def print_platforms() -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Loads and warms up the engine, then serves; returns the process's exit status:
+    0 after a SIGTERM drain, 1 when the engine died (the orchestrator restarts the pod)."""
     from server.api.app import AppSettings, build_app
-    from server.api.http_server import run_http_server
+    from server.api.http_server import HttpServer
     from server.engine.async_engine import AsyncEngine
 
     init_logging()
@@ -108,10 +110,16 @@ def serve(args: argparse.Namespace) -> int:
         allowed_headers=server_cfg.allowed_headers,
         allow_credentials=server_cfg.allow_credentials,
     ))
-    logger.info("serving %s on http://%s:%d", core.model_name, server_cfg.host, server_cfg.port)
-    run_http_server(app, server_cfg)
-    return 0
+    http = HttpServer(app, server_cfg)
 
+    def engine_died(exc: BaseException) -> None:
+        logger.critical("the engine died (%r): stopping the server, exit status 1", exc)
+        http.stop()
+
+    engine.on_dead = engine_died
+    logger.info("serving %s on http://%s:%d", core.model_name, server_cfg.host, server_cfg.port)
+    http.run()
+    return 1 if engine.dead_reason is not None else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -46,11 +46,19 @@ class ServerProcess:
         return self.proc.wait()
 
 
+FAULT_SERVER = str(Path(__file__).with_name("fault_server.py"))
+
+
 def start_server(model: str | None, *flags: str, env: dict[str, str] | None = None,
-                 wait: bool = True) -> ServerProcess:
+                 wait: bool = True, fault: str | None = None) -> ServerProcess:
+    """``fault``: run tests/fault_server.py with HPU_SERVE_TEST_FAULT set to it."""
     port = free_port()
     log_path = Path(tempfile.mkdtemp()) / "server.log"
-    args = [sys.executable, "-m", "server", "serve"] + ([model] if model else [])
+    launcher = ["-m", "server"] if fault is None else [FAULT_SERVER]
+    if fault is not None:
+        env = dict(env or {}, HPU_SERVE_TEST_FAULT=fault,
+                   PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    args = [sys.executable, *launcher, "serve"] + ([model] if model else [])
     args += ["--host", "127.0.0.1", "--port", str(port), *flags]
     full_env = dict(os.environ, **(env or {}))
     with open(log_path, "w") as log:

@@ -25,7 +25,7 @@ from server.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.api.serving import EngineClient, ServingContext, check_model
+from server.api.serving import EngineClient, ServingContext, check_model, guarded_sse
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
 from server.metrics import ServerMetrics
@@ -109,7 +109,8 @@ def _respond(result: object) -> Response:
     if isinstance(result, Response):
         return result
     if hasattr(result, "__aiter__"):
-        return StreamingResponse(result, media_type="text/event-stream",  # type: ignore[arg-type]
+        return StreamingResponse(guarded_sse(result),  # type: ignore[arg-type]
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return JSONResponse(result.model_dump())  # type: ignore[attr-defined]
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.protocol import ErrorInfo, ErrorResponse
-from server.engine.errors import EngineDeadError, RequestError
+from server.engine.errors import EngineDeadError, RequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,13 @@ class APIError(Exception):
         self.param = param
 
 
+def error_type(status: int) -> str:
+    return _TYPES.get(status, HTTPStatus(status).phrase)
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     body = ErrorResponse(
-        error=ErrorInfo(message=message, type=_TYPES.get(status, HTTPStatus(status).phrase),
-                        param=param, code=status)
+        error=ErrorInfo(message=message, type=error_type(status), param=param, code=status)
     )
     return JSONResponse(body.model_dump(), status_code=status)
 
@@ -74,6 +77,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
         return error_response(400, exc.message, exc.param)
 
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc))
+
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
@@ -86,3 +93,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+def stream_error(exc: BaseException) -> tuple[int, str]:
+    """(status, message) for a failure that happens after a stream's first chunk."""
+    if isinstance(exc, EngineDeadError):
+        return 503, str(exc)
+    if isinstance(exc, RequestFailedError):
+        return 500, str(exc)
+    logger.error("stream failed", exc_info=exc)
+    return 500, f"internal error: {type(exc).__name__}"

@@ -33,11 +33,21 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run_http_server(app: FastAPI, cfg: ServerConfig) -> None:
-    """Binds the port (only now: the engine is loaded and warmed up) and serves."""
-    config = uvicorn.Config(
-        app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-        access_log=not cfg.disable_access_log,
-        timeout_graceful_shutdown=max(1, round(cfg.shutdown_timeout)),
-    )
-    asyncio.run(GracefulServer(config).serve())
+class HttpServer:
+    """The uvicorn server of one app; ``stop()`` may be called from any thread (the engine
+    thread calls it when the engine dies, so the process exits and is restarted)."""
+
+    def __init__(self, app: FastAPI, cfg: ServerConfig) -> None:
+        config = uvicorn.Config(
+            app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+            access_log=not cfg.disable_access_log,
+            timeout_graceful_shutdown=max(1, round(cfg.shutdown_timeout)),
+        )
+        self._server = GracefulServer(config)
+
+    def stop(self) -> None:
+        self._server.should_exit = True  # uvicorn's main loop polls it
+
+    def run(self) -> None:
+        """Binds the port (only now: the engine is loaded and warmed up) and serves."""
+        asyncio.run(self._server.serve())

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from server.api.errors import APIError
-from server.api.protocol import SamplingFields, UsageInfo
+from server.api.errors import APIError, error_type, stream_error
+from server.api.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.metrics import ServerMetrics
@@ -152,6 +152,21 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]
     finally:
         for task in tasks:
             task.cancel()  # a departed client aborts every prompt's request
+
+
+async def guarded_sse(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE body that ends properly even when the request fails mid-stream: the headers
+    (200) are gone by then, so the error travels as a last ``data: {"error": ...}`` event,
+    followed by ``[DONE]``, as vLLM does."""
+    try:
+        async for item in chunks:
+            yield item
+    except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
+        status, message = stream_error(exc)
+        body = ErrorResponse(error=ErrorInfo(message=message, type=error_type(status),
+                                             param=None, code=status))
+        yield sse(body.model_dump_json())
+        yield sse("[DONE]")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from server.config import EngineConfig
-from server.engine.errors import EngineDeadError, RequestError
+from server.engine.errors import EngineDeadError, RequestError, RequestFailedError
 from server.engine.llm_engine import EngineStats, LLMEngine
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
@@ -60,7 +60,11 @@ class AsyncEngine:
     the main thread made decode steps ~1.5x slower on a 2-core machine (measured).
     """
 
-    def __init__(self, engine_factory: Callable[[], LLMEngine]) -> None:
+    def __init__(self, engine_factory: Callable[[], LLMEngine],
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+        # Called (from the engine thread) once the loop has died: the server uses it to
+        # stop and exit non-zero, so an orchestrator restarts it instead of a zombie 503.
+        self.on_dead = on_dead
         self._commands: queue.Queue[tuple[str, object]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -159,6 +163,8 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self.dead_reason = exc
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+            if self.on_dead is not None:
+                self.on_dead(exc)
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -179,11 +185,16 @@ class AsyncEngine:
                     future.set_exception(exc)
 
     def _add(self, state: object) -> None:
+        request_id = state.request_id  # type: ignore[attr-defined]
         try:
             self.engine.enqueue(state)  # type: ignore[arg-type, union-attr]
         except RequestError as exc:
-            request_id = state.request_id  # type: ignore[attr-defined]
             self._call_loop(self._push_error, request_id, exc)
+        except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the loop
+            logger.exception("request %s could not be queued", request_id)
+            self.engine.abort_request(request_id)  # type: ignore[union-attr]
+            self._call_loop(self._push_error, request_id,
+                            RequestFailedError(request_id, f"{type(exc).__name__}: {exc}"))
         finally:
             self._transit(-1)
 
@@ -198,6 +209,9 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
+                continue
+            if out.error is not None:
+                self._push_error(out.request_id, RequestFailedError(out.request_id, out.error))
                 continue
             stream._queue.put_nowait(out)
             if out.finished:

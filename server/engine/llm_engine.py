@@ -12,13 +12,13 @@ import torch
 from server.config import EngineConfig
 from server.engine.block_manager import BlockManager, blocks_for
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.errors import RequestError
+from server.engine.errors import EngineFaultError, RequestError
 from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor, RequestState
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerLimits
-from server.engine.sequence import Sequence
+from server.engine.sequence import ScheduledBatch, Sequence
 from server.engine.tokenizer import Tokenizer
 from server.hpu.bucketing import bucketing_config, decode_buckets, format_plan, prompt_buckets
 from server.hpu.counters import DeviceCounters
@@ -45,6 +45,9 @@ from server.models.loader import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Consecutive steps in which every request failed before the engine declares a device fault.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,7 @@ class LLMEngine:
             self.tokenizer, self.eos_token_ids, self.limits.max_model_len
         )
         self._seq_ids = itertools.count()
+        self._failed_steps = 0
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, max_num_seqs %d",
             num_blocks, self.block_size, num_blocks * self.block_size,
@@ -196,8 +200,45 @@ class LLMEngine:
             metrics = self.output_processor.requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.monotonic()
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            return self._isolate_failure(batch, exc)
+        self._failed_steps = 0
         return self.output_processor.process(batch, result, self.scheduler)
+
+    def _isolate_failure(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        """A step raised: run each request of the batch on its own, so that a fault tied to
+        one request ends that request only. Re-running is safe: nothing was committed (the
+        KV slots are rewritten with the same values). Steps in which nothing succeeds point
+        at the device, not at a request; after a few in a row the engine gives up."""
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in batch.seqs:
+            by_request.setdefault(seq.request_id, []).append(seq)
+        outputs: list[RequestOutput] = []
+        succeeded = False
+        for request_id, seqs in by_request.items():
+            error: Exception = exc
+            if len(by_request) > 1:
+                sub = ScheduledBatch(batch.phase, seqs)
+                try:
+                    result = self.runner.execute(sub)
+                except Exception as sub_exc:  # noqa: BLE001 - this request's own fault
+                    error = sub_exc
+                else:
+                    succeeded = True
+                    outputs += self.output_processor.process(sub, result, self.scheduler)
+                    continue
+            self.scheduler.abort(request_id)
+            failure = self.output_processor.fail(request_id, error)
+            if failure is not None:
+                outputs.append(failure)
+        self._failed_steps = 0 if succeeded else self._failed_steps + 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineFaultError(
+                f"{self._failed_steps} engine steps in a row failed for every request in "
+                f"them; last error: {exc!r}") from exc
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -12,6 +13,8 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -62,7 +65,10 @@ class OutputProcessor:
     ) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
+        failed: dict[str, BaseException] = {}
         for seq, token_id, logprob in zip(batch.seqs, result.token_ids, result.logprobs):
+            if seq.request_id in failed:
+                continue
             state = self.requests[seq.request_id]
             if seq.request_id not in touched:
                 state.clear_deltas()
@@ -70,10 +76,20 @@ class OutputProcessor:
                 state.metrics.last_token_time = now
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
-            self._append(state, seq, token_id, logprob)
+            try:
+                self._append(state, seq, token_id, logprob)
+            except Exception as exc:  # this request's own fault: the others go on
+                failed[seq.request_id] = exc
+                continue
             if seq.finish_reason is not None:
                 scheduler.finish(seq)
         outputs = []
+        for request_id, exc in failed.items():
+            del touched[request_id]
+            scheduler.abort(request_id)
+            failure = self.fail(request_id, exc)
+            if failure is not None:
+                outputs.append(failure)
         for state in touched.values():
             if state.finished:
                 state.metrics.finished_time = now
@@ -92,6 +108,15 @@ class OutputProcessor:
                 completion.finish_reason = "abort"
         state.metrics.finished_time = time.monotonic()
         return state.output()
+
+    def fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
+        """Ends a request whose own processing raised (the caller frees its sequences):
+        logged with the traceback, its last output carries the error."""
+        logger.error("request %s failed and was stopped: %r", request_id, exc, exc_info=exc)
+        output = self.abort(request_id)
+        if output is not None:
+            output.error = f"{type(exc).__name__}: {exc}"
+        return output
 
     def _append(
         self, state: RequestState, seq: Sequence, token_id: int, logprob: TokenLogprob | None

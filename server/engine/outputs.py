@@ -65,6 +65,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # Set when the request ended because of a fault in its own processing (the engine
+    # logged the traceback); its completions then end with finish_reason "abort".
+    error: str | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -24,7 +24,8 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, description="-1 or 0 disables")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    # OpenAI's range (int64); the generator takes no more.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0 * 10)

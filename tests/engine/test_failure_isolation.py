@@ -1,0 +1,133 @@
+"""A fault tied to one request ends that request only; a fault in every step stops the engine.
+
+Faults are injected where real ones would arise: the model runner (inputs, sampling setup)
+and the output processing (detokenization) of one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from server import SamplingParams
+from server.config import make_engine_config
+from server.engine.async_engine import AsyncEngine
+from server.engine.errors import EngineDeadError, EngineFaultError, RequestFailedError
+from server.engine.llm_engine import LLMEngine
+
+POISON = 7  # a prompt holding this token id makes the injected fault fire
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model) -> LLMEngine:
+    return LLMEngine(make_engine_config(model=tiny_model[0], dtype="float32", block_size=16,
+                                        max_num_seqs=8))
+
+
+def run_all(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict:
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, PARAMS)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def poison_runner(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    execute = engine.runner.execute
+
+    def faulty(batch):  # noqa: ANN001, ANN202
+        if any(POISON in s.prompt_token_ids for s in batch.seqs):
+            raise OverflowError("int too big to convert")  # e.g. a value the native code refuses
+        return execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", faulty)
+
+
+PROMPTS = {"a": [3, 4, 5, 6], "bad": [3, POISON, 5], "b": [8, 9, 10, 11, 12]}
+
+
+def test_runner_fault_ends_only_its_request(engine: LLMEngine, monkeypatch) -> None:
+    solo = {rid: run_all(engine, {rid: p})[rid].outputs[0].token_ids
+            for rid, p in PROMPTS.items() if rid != "bad"}
+    poison_runner(engine, monkeypatch)
+    finals = run_all(engine, PROMPTS)
+    assert finals["bad"].error is not None and "OverflowError" in finals["bad"].error
+    assert finals["bad"].outputs[0].finish_reason == "abort"
+    for rid in ("a", "b"):
+        assert finals[rid].error is None
+        assert finals[rid].outputs[0].token_ids == solo[rid]
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks, "the failed request leaked KV blocks"
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+
+
+def test_output_processing_fault_ends_only_its_request(engine: LLMEngine, monkeypatch) -> None:
+    engine.add_request("x", [3, 4, 5], PARAMS)
+    engine.add_request("y", [3, 4, 6], PARAMS)
+
+    def broken(ids):  # noqa: ANN001, ANN202
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(engine.output_processor.requests["y"].detokenizers[0], "update", broken)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["y"].error is not None and "UnicodeDecodeError" in finals["y"].error
+    assert finals["x"].error is None and len(finals["x"].outputs[0].token_ids) == 8
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_steps_failing_for_everyone_are_an_engine_fault(engine: LLMEngine, monkeypatch) -> None:
+    def device_lost(batch):  # noqa: ANN001, ANN202
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", device_lost)
+    for i in range(2):  # each lone request fails on its own; not yet conclusive
+        engine.add_request(f"lone{i}", [3, 4, 5], PARAMS)
+        failed = engine.step()
+        assert [o.error for o in failed] == ["RuntimeError: device lost"]
+    engine.add_request("third", [3, 4, 5], PARAMS)
+    with pytest.raises(EngineFaultError, match="device lost"):
+        engine.step()
+
+
+def test_async_engine_reports_request_failure_and_death(tiny_model, monkeypatch) -> None:
+    engine = AsyncEngine.from_config(make_engine_config(model=tiny_model[0], dtype="float32",
+                                                        block_size=16))
+    died: list[BaseException] = []
+    engine.on_dead = died.append
+    poison_runner(engine.engine, monkeypatch)
+
+    async def collect(request_id: str, prompt: list[int]) -> list[int] | BaseException:
+        try:
+            stream = await engine.submit(request_id, prompt, PARAMS)
+            return [t for out in [o async for o in stream] for t in out.outputs[0].delta_token_ids]
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return exc
+
+    async def main() -> tuple:
+        engine.start()
+        results = await asyncio.gather(*(collect(r, p) for r, p in PROMPTS.items()))
+        alive_after_one_failure = engine.is_alive
+
+        def device_lost(batch):  # noqa: ANN001, ANN202
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(engine.engine.runner, "execute", device_lost)
+        later = [await collect(f"late{i}", [3, 4, 5]) for i in range(4)]
+        await engine.shutdown()
+        return results, alive_after_one_failure, later
+
+    (good_a, bad, good_b), alive, later = asyncio.run(main())
+    assert isinstance(bad, RequestFailedError) and "bad" in str(bad)
+    assert len(good_a) == 8 and len(good_b) == 8
+    assert alive
+    assert [type(e) for e in later[:2]] == [RequestFailedError, RequestFailedError]
+    assert isinstance(later[2], EngineDeadError) and isinstance(later[3], EngineDeadError)
+    assert len(died) == 1 and isinstance(died[0], EngineFaultError)
+    assert not engine.is_alive
