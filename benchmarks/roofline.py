@@ -22,7 +22,7 @@ from execution_modes import decode_step_ms
 from torch import nn
 
 from server import LLM
-from server.hpu.cpu_linear import PackedLinear, SmallBatchInt4Linear, packing_supported
+from server.hpu.cpu.linear import PackedLinear, SmallBatchInt4Linear, packing_supported
 
 
 def best_time(fn, repeat: int) -> float:

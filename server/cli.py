@@ -65,16 +65,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
     """The warmup plan for these limits and the VLLM_* bucketing environment."""
-    from server.config import bucketing_environment
-    from server.hpu.bucketing import bucketing_config, format_plan
+    from server.config import SchedulerConfig, bucketing_config_from_env
+    from server.hpu.bucketing import format_plan, resolve_ranges
 
-    batched = args.max_num_batched_tokens or max(args.max_model_len, 2048)
-    cfg = bucketing_config(
-        dict(bucketing_environment(environ)), block_size=args.block_size,
+    batched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens
+                              ).batched_tokens_for(args.max_model_len)
+    ranges = resolve_ranges(
+        bucketing_config_from_env(environ), block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=batched, num_blocks=args.num_gpu_blocks_override,
     )
-    print(format_plan(cfg))
+    print(format_plan(ranges))
     return 0
 
 
@@ -91,7 +92,7 @@ def print_platforms() -> int:
 def serve(args: argparse.Namespace) -> int:
     """Loads and warms up the engine, then serves; returns the process's exit status:
     0 after a SIGTERM drain, 1 when the engine died (the orchestrator restarts the pod)."""
-    from server.api.app import AppSettings, build_app
+    from server.api.app import build_app
     from server.api.http_server import HttpServer
     from server.engine.async_engine import AsyncEngine
 
@@ -101,15 +102,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_config(engine_cfg)  # load + KV cache sizing
     # every bucket compiled/captured before the port opens, on the thread that will serve
     engine.call(engine.engine.warmup)
-    core = engine.engine
-    app = build_app(engine, AppSettings(
-        model_name=core.model_name, max_model_len=core.limits.max_model_len,
-        api_key=server_cfg.api_key, max_body_bytes=server_cfg.max_body_bytes,
-        max_waiting_requests=server_cfg.max_waiting_requests,
-        allowed_origins=server_cfg.allowed_origins, allowed_methods=server_cfg.allowed_methods,
-        allowed_headers=server_cfg.allowed_headers,
-        allow_credentials=server_cfg.allow_credentials,
-    ))
+    app = build_app(engine, server_cfg)
     http = HttpServer(app, server_cfg)
 
     def engine_died(exc: BaseException) -> None:
@@ -117,7 +110,8 @@ def serve(args: argparse.Namespace) -> int:
         http.stop()
 
     engine.on_dead = engine_died
-    logger.info("serving %s on http://%s:%d", core.model_name, server_cfg.host, server_cfg.port)
+    logger.info("serving %s on http://%s:%d", engine.model_name, server_cfg.host,
+                server_cfg.port)
     http.run()
     return 1 if engine.dead_reason is not None else 0
 

@@ -8,11 +8,28 @@ existing deployment's settings carry over.
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 GiB = 1 << 30
+# The step's token budget when --max-num-batched-tokens is unset: every prompt fits whole
+# (prompts are not chunked), and short contexts still batch a few prompts per step.
+MIN_BATCHED_TOKENS = 2048
+
+
+class ExecutionMode(str, enum.Enum):
+    """How shapes become device work (``--execution-mode``); ``AUTO`` is resolved by the
+    platform before anything runs."""
+
+    AUTO = "auto"
+    EAGER = "eager"  # plain PyTorch, no graphs
+    COMPILE = "compile"  # torch.compile per bucket shape (inductor, or Gaudi's hpu_backend)
+    GRAPHS = "graphs"  # captured device graphs per bucket (CUDA graphs, HPU graphs)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,23 +79,29 @@ class SchedulerConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
 
+    def batched_tokens_for(self, max_model_len: int) -> int:
+        """The step's token budget once ``max_model_len`` is known."""
+        return self.max_num_batched_tokens or max(max_model_len, MIN_BATCHED_TOKENS)
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
     """Where and how the model executes."""
 
-    device: str = "auto"  # auto | hpu | cuda | cpu
+    device: str = "auto"  # auto | hpu | cuda | cpu | a plugin's name
     enforce_eager: bool = False
     # auto: graphs on HPU/CUDA, eager on CPU (with the fused kernels: faster than compiled)
-    execution_mode: str = "auto"  # auto | eager | compile | graphs
+    execution_mode: ExecutionMode = ExecutionMode.AUTO
     hpu_lazy_mode: bool = True  # PT_HPU_LAZY_MODE
     # Eager CPU: fused C++ kernels for norms, RoPE + KV writes, SiLU and decode attention
     # (HPU_SERVE_CPU_KERNELS=0 keeps plain PyTorch ops, e.g. where no compiler exists).
     cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
-        if self.execution_mode not in ("auto", "eager", "compile", "graphs"):
-            raise ValueError("--execution-mode must be auto, eager, compile or graphs")
+        try:
+            object.__setattr__(self, "execution_mode", ExecutionMode(self.execution_mode))
+        except ValueError:
+            raise ValueError("--execution-mode must be auto, eager, compile or graphs") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +124,63 @@ class WarmupConfig:
                                  "min_tokens or max_bs")
 
 
-# Environment knobs of the bucketing strategies, passed through untouched (their meaning
-# depends on the model's limits, resolved after loading).
-BUCKETING_ENV_PREFIXES = ("VLLM_PROMPT_", "VLLM_DECODE_", "VLLM_BUCKETING_",
-                          "VLLM_EXPONENTIAL_BUCKETING", "VLLM_ENABLE_BUCKETING")
+# (min, step, max) of one bucket dimension; None where the user left the default.
+DimOverride = tuple[int | None, int | None, int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketingConfig:
+    """The reference's bucketing knobs, parsed and checked at start-up. Defaults that depend
+    on the model's limits (``None`` here) are resolved by ``server.hpu.bucketing``."""
+
+    enabled: bool = True  # VLLM_ENABLE_BUCKETING
+    strategy: str = "exp"  # VLLM_BUCKETING_STRATEGY (or VLLM_EXPONENTIAL_BUCKETING=false: lin)
+    file: str | None = None  # VLLM_BUCKETING_FROM_FILE: overrides the strategy
+    # VLLM_{PROMPT,DECODE}_{BS,SEQ,BLOCK}_BUCKET_{MIN,STEP,MAX} (read by "lin"; "exp" reads
+    # only VLLM_PROMPT_BS_BUCKET_MAX, like the reference)
+    prompt_bs: DimOverride = (None, None, None)
+    prompt_seq: DimOverride = (None, None, None)
+    decode_bs: DimOverride = (None, None, None)
+    decode_block: DimOverride = (None, None, None)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("exp", "lin"):
+            raise ValueError(f"VLLM_BUCKETING_STRATEGY must be exp or lin, got {self.strategy!r}")
+        if self.file is not None and not os.path.isfile(self.file):
+            raise ValueError(f"VLLM_BUCKETING_FROM_FILE: no such file {self.file!r}")
+
+
+def bucketing_config_from_env(environ: Mapping[str, str] | None = None) -> BucketingConfig:
+    """Parses the ``VLLM_*`` bucketing variables; a bad value fails naming the variable."""
+    env = os.environ if environ is None else environ
+
+    def dim(phase: str, name: str) -> DimOverride:
+        lo, step, hi = (_optional_int(env, f"VLLM_{phase}_{name}_BUCKET_{k}")
+                        for k in ("MIN", "STEP", "MAX"))
+        return lo, step, hi
+
+    strategy = env.get("VLLM_BUCKETING_STRATEGY", "").strip().lower() or (
+        "exp" if _bool(env, "VLLM_EXPONENTIAL_BUCKETING", True) else "lin")
+    return BucketingConfig(
+        enabled=_bool(env, "VLLM_ENABLE_BUCKETING", True),
+        strategy=strategy,
+        file=env.get("VLLM_BUCKETING_FROM_FILE") or None,
+        prompt_bs=dim("PROMPT", "BS"), prompt_seq=dim("PROMPT", "SEQ"),
+        decode_bs=dim("DECODE", "BS"), decode_block=dim("DECODE", "BLOCK"),
+    )
+
+
+def _optional_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +192,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    bucketing_env: tuple[tuple[str, str], ...] = ()
+    bucketing: BucketingConfig = field(default_factory=BucketingConfig)
     # What start-up builds once and reuses on restarts: the fused CPU kernels and GGUF
     # tokenizers converted to Hugging Face files (HPU_SERVE_CACHE_DIR; None: the default
     # ~/.cache/hpu-serve, or a temp dir where that is not writable).
@@ -155,7 +231,7 @@ def engine_config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> EngineConfig:
     env = os.environ if environ is None else environ
-    kv_space_gib = float(env.get("VLLM_CPU_KVCACHE_SPACE", "4") or "4")
+    kv_space_gib = _float(env, "VLLM_CPU_KVCACHE_SPACE", 4.0)
     return EngineConfig(
         model=ModelOptions(
             model=args.model or args.model_flag,
@@ -178,27 +254,41 @@ def engine_config_from_args(
         ),
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             execution_mode=args.execution_mode,
-                            hpu_lazy_mode=_flag(env.get("PT_HPU_LAZY_MODE", "1")),
-                            cpu_kernels=_flag(env.get("HPU_SERVE_CPU_KERNELS", "1"))),
+                            hpu_lazy_mode=_bool(env, "PT_HPU_LAZY_MODE", True),
+                            cpu_kernels=_bool(env, "HPU_SERVE_CPU_KERNELS", True)),
         warmup=WarmupConfig(
-            skip=_flag(env.get("VLLM_SKIP_WARMUP", "false")),
-            graph_reserved_mem=float(env.get("VLLM_GRAPH_RESERVED_MEM", "0.1")),
-            graph_prompt_ratio=float(env.get("VLLM_GRAPH_PROMPT_RATIO", "0.3")),
+            skip=_bool(env, "VLLM_SKIP_WARMUP", False),
+            graph_reserved_mem=_float(env, "VLLM_GRAPH_RESERVED_MEM", 0.1),
+            graph_prompt_ratio=_float(env, "VLLM_GRAPH_PROMPT_RATIO", 0.3),
             prompt_strategy=env.get("VLLM_GRAPH_PROMPT_STRATEGY", "min_tokens"),
             decode_strategy=env.get("VLLM_GRAPH_DECODE_STRATEGY", "max_bs"),
         ),
-        bucketing_env=bucketing_environment(env),
+        bucketing=bucketing_config_from_env(env),
         cache_dir=env.get("HPU_SERVE_CACHE_DIR") or None,
     )
 
 
-def bucketing_environment(environ: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:
-    env = os.environ if environ is None else environ
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(BUCKETING_ENV_PREFIXES)))
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
-def _flag(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in _TRUE + _FALSE:
+        raise ValueError(f"{name} must be true or false (1/0, yes/no, on/off), got {raw!r}")
+    return raw in _TRUE
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
 def make_engine_config(environ: Mapping[str, str] | None = None,

@@ -53,13 +53,12 @@ def test_example_env_file_matches_the_defaults() -> None:
     example = Path(__file__).resolve().parents[1] / "config" / "server.example.env"
     env = dict(line.split("=", 1) for line in example.read_text().splitlines()
                if line and not line.startswith("#"))
-    from dataclasses import replace
-
-    from server.hpu.bucketing import bucketing_config
+    from server.hpu.bucketing import resolve_ranges
 
     explicit, default = parse([], env), parse([], {})
     # the example documents the defaults, exactly
-    assert replace(explicit, bucketing_env=()) == default
+    assert explicit == default
     limits = dict(block_size=128, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=4096)
-    assert bucketing_config(dict(explicit.bucketing_env), **limits) == bucketing_config({}, **limits)
+    assert resolve_ranges(explicit.bucketing, **limits) == resolve_ranges(default.bucketing,
+                                                                           **limits)
     assert parse([], dict(env, VLLM_SKIP_WARMUP="true")).warmup.skip

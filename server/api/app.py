@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -28,40 +27,23 @@ from server.api.protocol import (
 from server.api.serving import EngineClient, ServingContext, check_model, guarded_sse
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
+from server.config import ServerConfig
 from server.metrics import ServerMetrics
 
 
-@dataclass(frozen=True, slots=True)
-class AppSettings:
-    """The HTTP-side options the app factory needs."""
-
-    model_name: str
-    max_model_len: int
-    api_key: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_waiting_requests: int = 0
-    allowed_origins: tuple[str, ...] = ("*",)
-    allowed_methods: tuple[str, ...] = ("*",)
-    allowed_headers: tuple[str, ...] = ("*",)
-    allow_credentials: bool = False
-
-
-def build_app(engine: EngineClient, settings: AppSettings, start_engine: bool = True) -> FastAPI:
-    metrics = ServerMetrics(settings.model_name, engine.stats, alive=lambda: engine.is_alive)
-    device_registry = getattr(engine, "metrics_registry", None)
-    if device_registry is not None:  # a registry is itself a collector: fold it in
-        metrics.registry.register(device_registry)
-    ctx = ServingContext(engine, settings.model_name, settings.max_model_len, metrics,
-                         settings.max_waiting_requests)
+def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
+    """The app serving ``engine``; the engine starts and stops with the app's lifespan."""
+    metrics = ServerMetrics(engine.model_name, engine.stats, alive=lambda: engine.is_alive)
+    # The device layer's registry is itself a collector: folded into one /metrics.
+    metrics.registry.register(engine.metrics_registry)
+    ctx = ServingContext(engine, engine.model_name, engine.max_model_len, metrics,
+                         cfg.max_waiting_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if start_engine:
-            engine.start()  # type: ignore[attr-defined]
+        engine.start()
         yield
-        shutdown = getattr(engine, "shutdown", None)
-        if shutdown is not None:
-            await shutdown()
+        await engine.shutdown()
 
     app = FastAPI(title="hpu-serve", version=server.__version__, lifespan=lifespan)
     app.state.ctx = ctx
@@ -69,13 +51,11 @@ def build_app(engine: EngineClient, settings: AppSettings, start_engine: bool = 
     install_error_handlers(app)
     _add_routes(app, ctx)
     app.add_middleware(
-        CORSMiddleware, allow_origins=list(settings.allowed_origins),
-        allow_methods=list(settings.allowed_methods),
-        allow_headers=list(settings.allowed_headers),
-        allow_credentials=settings.allow_credentials,
+        CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+        allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+        allow_credentials=cfg.allow_credentials,
     )
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key,
-                       max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
     return app
 
 

@@ -9,27 +9,49 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
 from server.api.errors import APIError, error_type, stream_error
 from server.api.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
+from server.engine.llm_engine import EngineStats
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
+from server.engine.tokenizer import Tokenizer
 from server.metrics import ServerMetrics
 
 
 class EngineClient(Protocol):
-    """What the API needs from the engine (``AsyncEngine`` provides it)."""
+    """Everything the API needs from the engine (``AsyncEngine`` provides it; the serving
+    tests use a fake)."""
 
-    tokenizer: Any
-    is_alive: bool
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """The device layer's series (compilations, bucket misses...), for /metrics."""
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    def start(self) -> None:
+        """Binds to the running event loop (the app's startup)."""
+
+    async def shutdown(self) -> None: ...
 
     async def submit(self, request_id: str, prompt: str | list[int],
                      params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,16 +10,48 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
+
+from prometheus_client import CollectorRegistry
 
 from server.config import EngineConfig
 from server.engine.errors import EngineDeadError, RequestError, RequestFailedError
 from server.engine.llm_engine import EngineStats, LLMEngine
+from server.engine.output_processor import RequestState
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
+from server.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+# Commands that cross into the engine thread.
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    state: RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallOnEngineThread:
+    """Start-up work (load, warmup) that must run on the thread that will step."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: Future[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Union[AddRequest, AbortRequest, CallOnEngineThread, Stop]
 
 
 @dataclass(eq=False)
@@ -33,6 +65,10 @@ class RequestStream:
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the event loop's thread by the engine's deliveries."""
+        self._queue.put_nowait(item)
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -51,9 +87,9 @@ class RequestStream:
 class AsyncEngine:
     """Runs ``LLMEngine.step()`` in a background thread and fans outputs out to streams.
 
-    Commands (add / abort) cross into the engine thread through a queue; outputs come back
-    with ``loop.call_soon_threadsafe``. Tokenization and validation run in a worker thread
-    too, so a long prompt never stalls the event loop.
+    Commands (add / abort / call / stop) cross into the engine thread through a queue;
+    outputs come back with ``loop.call_soon_threadsafe``. Tokenization and validation run in
+    a worker thread too, so a long prompt never stalls the event loop.
 
     Every tensor operation (load, warmup, steps) runs on that one thread: each thread that
     calls into torch gets its own OpenMP team, and a second team left over from loading on
@@ -65,12 +101,12 @@ class AsyncEngine:
         # Called (from the engine thread) once the loop has died: the server uses it to
         # stop and exit non-zero, so an orchestrator restarts it instead of a zombie 503.
         self.on_dead = on_dead
-        self._commands: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.dead_reason: BaseException | None = None
-        self.engine: LLMEngine | None = None
+        self._engine: LLMEngine | None = None
         # Requests accepted by submit() that the engine thread has not queued yet. They are
         # waiting as far as a client can tell: without them a burst arriving between two
         # engine steps would all pass a --max-waiting-requests check.
@@ -78,25 +114,39 @@ class AsyncEngine:
         self._in_transit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
-        self.engine = self.call(engine_factory)
+        self._engine = self.call(engine_factory)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(lambda: LLMEngine(config))
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine core (touch it from the engine thread only, e.g. through ``call``)."""
+        assert self._engine is not None, "the engine is still being built"
+        return self._engine
+
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn(*args)`` on the engine thread and returns its result (blocking); for
         start-up work such as warmup, before requests flow."""
         future: Future[T] = Future()
-        self._commands.put(("call", (fn, args, future)))
+        self._commands.put(CallOnEngineThread(fn, args, future))
         return future.result()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.limits.max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property
-    def metrics_registry(self):  # noqa: ANN201 - prometheus CollectorRegistry
+    def metrics_registry(self) -> CollectorRegistry:
         """The device layer's counters (compilations, bucket misses...), for /metrics."""
         return self.engine.counters.registry
 
@@ -110,7 +160,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         self._stopping = True
-        self._commands.put(("stop", None))
+        self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join, 30)
 
     async def submit(
@@ -129,13 +179,13 @@ class AsyncEngine:
             raise
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        self._commands.put(("add", state))
+        self._commands.put(AddRequest(state))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its KV blocks (no-op if it already finished)."""
         if self._streams.pop(request_id, None) is not None:
-            self._commands.put(("abort", request_id))
+            self._commands.put(AbortRequest(request_id))
 
     def stats(self) -> EngineStats:
         """The engine's snapshot, with requests still on their way in counted as waiting
@@ -149,16 +199,16 @@ class AsyncEngine:
             self._in_transit += delta
 
     def _busy(self) -> bool:
-        return self.engine is not None and self.engine.has_unfinished_requests()
+        return self._engine is not None and self._engine.has_unfinished_requests()
 
     def _run(self) -> None:
         try:
             while not self._stopping:
                 self._drain(block=not self._busy())
                 if self._busy():
-                    outputs = self.engine.step()  # type: ignore[union-attr]
+                    outputs = self.engine.step()
                     if outputs:
-                        self._deliver(outputs)
+                        self._call_loop(self._push_outputs, outputs)
         except BaseException as exc:  # the loop must report, not vanish
             logger.exception("engine loop died")
             self.dead_reason = exc
@@ -169,39 +219,35 @@ class AsyncEngine:
     def _drain(self, block: bool) -> None:
         while True:
             try:
-                kind, payload = self._commands.get(block=block, timeout=0.5 if block else None)
+                command = self._commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 return
             block = False
-            if kind == "add":
-                self._add(payload)
-            elif kind == "abort":
-                self.engine.abort_request(str(payload))  # type: ignore[union-attr]
-            elif kind == "call":
-                fn, args, future = payload  # type: ignore[misc]
+            if isinstance(command, AddRequest):
+                self._add(command.state)
+            elif isinstance(command, AbortRequest):
+                self.engine.abort_request(command.request_id)
+            elif isinstance(command, CallOnEngineThread):
                 try:
-                    future.set_result(fn(*args))
+                    command.future.set_result(command.fn(*command.args))
                 except BaseException as exc:  # the caller re-raises it; the loop goes on
-                    future.set_exception(exc)
+                    command.future.set_exception(exc)
 
-    def _add(self, state: object) -> None:
-        request_id = state.request_id  # type: ignore[attr-defined]
+    def _add(self, state: RequestState) -> None:
+        request_id = state.request_id
         try:
-            self.engine.enqueue(state)  # type: ignore[arg-type, union-attr]
+            self.engine.enqueue(state)
         except RequestError as exc:
             self._call_loop(self._push_error, request_id, exc)
         except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the loop
             logger.exception("request %s could not be queued", request_id)
-            self.engine.abort_request(request_id)  # type: ignore[union-attr]
+            self.engine.abort_request(request_id)
             self._call_loop(self._push_error, request_id,
                             RequestFailedError(request_id, f"{type(exc).__name__}: {exc}"))
         finally:
             self._transit(-1)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._call_loop(self._push_outputs, outputs)
-
-    def _call_loop(self, fn, *args) -> None:  # noqa: ANN001
+    def _call_loop(self, fn: Callable[..., None], *args: Any) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
 
@@ -213,14 +259,14 @@ class AsyncEngine:
             if out.error is not None:
                 self._push_error(out.request_id, RequestFailedError(out.request_id, out.error))
                 continue
-            stream._queue.put_nowait(out)
+            stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
 
     def _push_error(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream._queue.put_nowait(exc)
+            stream.put(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         def fail() -> None:

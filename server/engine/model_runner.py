@@ -1,29 +1,41 @@
-"""Turns a scheduled batch into padded device tensors, runs the model, samples.
+"""The model's device resources, and one step on them: batch -> padded tensors -> model
+-> sampler.
 
-Inputs are laid out for static shapes from the start: a prefill batch is a right-padded
-``[bs, q]`` grid, a decode batch a flat block list of ``num_blocks`` entries; both can be
-padded further (``pad_to``) to a pre-planned bucket shape without changing any code.
+:class:`ModelRunner` is built once from the config: it prepares the loaded weights for the
+platform (layer ops, packed or quantized linears), sizes and allocates the KV cache, picks
+the graph runner of the execution mode and the bucket shapes, and warms them up.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from server.config import EngineConfig
+from server.engine.block_manager import blocks_for
+from server.engine.input_builder import InputBuilder, dummy_seq
 from server.engine.outputs import TokenLogprob
 from server.engine.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import SchedulerLimits
 from server.engine.sequence import ScheduledBatch, Sequence
-from server.hpu.attention import AttentionMetadata
+from server.hpu.bucketing import decode_buckets, format_plan, prompt_buckets, resolve_ranges
 from server.hpu.counters import DeviceCounters
-from server.hpu.graph_runner import EagerRunner, ForwardInputs, GraphRunner
-from server.hpu.shapes import ShapePlanner
-from server.models.layer_ops import TorchLayerOps
-from server.models.llama import KVCache, LlamaForCausalLM
+from server.hpu.graph_runner import ForwardInputs
+from server.hpu.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
+from server.hpu.platform import Platform
+from server.hpu.shapes import ShapePlanner, exact_bucket, padded_size
+from server.hpu.types import Bucket, Phase
+from server.hpu.warmup import WarmupHooks, run_warmup
+from server.models.llama import LlamaForCausalLM
+from server.models.loader import LoadedModel
 
-# Additive mask value for unused slots of a block (finite: -inf - -inf would be NaN).
-_MASKED = -1e30
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -34,215 +46,133 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprob | None]
 
 
-class ModelRunner:
-    """Owns the model, its KV cache tensors and the sampler."""
+class ModelForward:
+    """What graphs are made of: padded inputs -> float32 logits ``[bs, vocab]`` of each
+    row's last token, padding rows included. A pure function of tensors (the KV cache is
+    updated in place), so it can be compiled or captured per bucket."""
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_caches: list[KVCache],
-        block_size: int,
-        pad_block_id: int,
-        eos_token_ids: frozenset[int],
-        device: torch.device,
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.pad_block_id = pad_block_id
-        self.eos_token_ids = eos_token_ids
-        self.device = device
-        self.dtype = next(model.parameters()).dtype
-        self.vocab_size = model.config.vocab_size
-        self.sampler = Sampler()
-        # Set by the engine once the execution mode is known; eager until then.
-        self.graphs: GraphRunner = EagerRunner(self.forward, DeviceCounters("unnamed"))
-        self.shapes: ShapePlanner | None = None
-        # "flat" (block list + one-hot mapping, any device) or "block_tables" (per-row
-        # tables for the fused CPU kernel): whichever the model's layer ops read.
-        self.decode_layout = "flat"
 
-    def use_layer_ops(self, ops: TorchLayerOps) -> None:
-        """Routes the model's fusable operations and the sampler's argmax to ``ops``, and
-        lays decode inputs and the KV caches out its way: before any KV is written."""
-        self.model.use_ops(ops)
-        self.decode_layout = ops.decode_layout
-        self.kv_caches = ops.kv_cache_views(self.kv_caches)
-        self.sampler.argmax = ops.argmax
-
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
-        seqs = batch.seqs
-        phase = "prompt" if batch.is_prefill else "decode"
-        key, pad_to = self._shape(phase, seqs)
-        if batch.is_prefill:
-            inputs = self.prepare_prefill(seqs, pad_to)
-        else:
-            inputs = self.prepare_decode(seqs, pad_to)
-        real = sum(s.num_tokens for s in seqs) if batch.is_prefill else len(seqs)
-        self.graphs.counters.tokens(phase, real, inputs.input_ids.numel())
-        logits = self.graphs.run(phase, key, inputs)[: len(seqs)]
-        sampling = SamplingTensors.build(seqs, self.vocab_size, self.eos_token_ids, self.device)
-        out = self.sampler(logits, sampling)
-        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, seqs))
-
-    def _shape(self, phase: str, seqs: list[Sequence]) -> tuple[tuple[int, ...], tuple[int, int]]:
-        """(bucket key, padded shape): the planned bucket that holds the batch, or the exact
-        shape when bucketing is off or the batch fits no bucket (counted as a miss)."""
-        if phase == "prompt":
-            exact = (len(seqs), max(s.num_tokens for s in seqs))
-        else:
-            exact = (len(seqs), sum(len(s.block_table) for s in seqs))
-        if self.shapes is None:
-            return exact, exact
-        return self.shapes.pad(phase, exact)
-
-    def forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        """Logits ``[bs, vocab]`` (float32) of each row's last token, padding rows included:
-        a pure function of tensors, so it can be compiled or captured per bucket."""
+    def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.logits_indices)
         return self.model.compute_logits(hidden)
 
-    def prepare_prefill(
-        self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
-    ) -> ForwardInputs:
-        """Every token of each sequence, right-padded into ``[bs, q]``."""
-        lens = [s.num_tokens for s in seqs]
-        bs, q = pad_to if pad_to is not None else (len(seqs), max(lens))
-        block = self.block_size
-        token_ids = torch.zeros(bs, q, dtype=torch.long)
-        block_tables = torch.full((bs, -(-q // block)), self.pad_block_id, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            token_ids[row, : lens[row]] = torch.tensor(seq.all_token_ids)
-            block_tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
-        seq_lens = torch.zeros(bs, dtype=torch.long)
-        seq_lens[: len(seqs)] = torch.tensor(lens)
-        positions = torch.arange(q).expand(bs, q)
-        is_real = positions < seq_lens.unsqueeze(1)
-        slots = block_tables.gather(1, positions // block) * block + positions % block
-        pad_slots = self.pad_block_id * block + positions % block
-        slot_mapping = torch.where(is_real, slots, pad_slots).reshape(-1)
-        # Pad rows point at token 0: their logits are computed (static shape) and dropped.
-        logits_indices = (torch.arange(bs) * q + seq_lens - 1).clamp(min=0)
-        meta = AttentionMetadata(True, block, slot_mapping.to(self.device))
-        if self.decode_layout == "block_tables":
-            # Every token is a row of the paged-attention kernel: its sequence's table and
-            # the keys up to itself (causal); pad tokens see their row's real keys.
-            meta.block_tables = block_tables.to(torch.int32).repeat_interleave(q, dim=0).to(
-                self.device)
-            token_lens = torch.minimum(positions + 1, seq_lens.clamp(min=1).unsqueeze(1))
-            meta.seq_lens = token_lens.reshape(-1).to(torch.int32).to(self.device)
-        return ForwardInputs(
-            token_ids.to(self.device),
-            torch.where(is_real, positions, 0).to(self.device),
-            meta,
-            logits_indices.to(self.device),
-            len(seqs),
-        )
 
-    def prepare_decode(
-        self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
-    ) -> ForwardInputs:
-        """Each sequence's last token; its KV blocks flattened into one block list."""
-        if self.decode_layout == "block_tables":
-            assert pad_to is None or pad_to[0] == len(seqs), "block tables are never padded"
-            return self._prepare_decode_tables(seqs)
-        block = self.block_size
-        positions = [s.num_tokens - 1 for s in seqs]
-        block_list = [b for s in seqs for b in s.block_table]
-        groups = [row for row, s in enumerate(seqs) for _ in s.block_table]
-        usage = []
-        for seq, pos in zip(seqs, positions):
-            usage += [block] * (len(seq.block_table) - 1) + [pos % block + 1]
-        bs, num_blocks = pad_to if pad_to is not None else (len(seqs), len(block_list))
-        pad_rows = bs - len(seqs)
-        pad_blocks = num_blocks - len(block_list)
+class ModelRunner:
+    """Owns the model, its KV cache, its graphs and the sampler, for one platform."""
 
-        token_ids = torch.tensor([s.last_token_id for s in seqs] + [0] * pad_rows)
-        pos_t = torch.tensor(positions + [0] * pad_rows)
-        slots = [s.block_table[p // block] * block + p % block for s, p in zip(seqs, positions)]
-        slots += [self.pad_block_id * block + i % block for i in range(pad_rows)]
-        block_list_t = torch.tensor(block_list + [self.pad_block_id] * pad_blocks)
-        groups_t = torch.tensor(groups + [bs] * pad_blocks)
-        usage_t = torch.tensor(usage + [1] * pad_blocks)
-        block_bias = torch.where(
-            torch.arange(block).unsqueeze(0) < usage_t.unsqueeze(1), 0.0, _MASKED
-        )
-        # One-hot rows; pad blocks map to the extra column bs, which is then dropped.
-        mapping = torch.nn.functional.one_hot(groups_t, bs + 1)[:, :bs].to(self.dtype)
-        dev = self.device
-        meta = AttentionMetadata(
-            False,
-            block,
-            torch.tensor(slots).to(dev),
-            block_list=block_list_t.to(dev),
-            block_groups=groups_t.to(dev),
-            block_mapping=mapping.to(dev),
-            block_bias=block_bias.to(dev),
-        )
-        return ForwardInputs(
-            token_ids.view(bs, 1).to(dev),
-            pos_t.view(bs, 1).to(dev),
-            meta,
-            torch.arange(bs).to(dev),
-            len(seqs),
-        )
+    def __init__(self, config: EngineConfig, platform: Platform, loaded: LoadedModel,
+                 limits: SchedulerLimits, eos_token_ids: frozenset[int], model_name: str,
+                 cache_dir: Path,
+                 int4_weights: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        self.platform = platform
+        self.model = loaded.model
+        self.dtype = loaded.dtype
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = loaded.config.vocab_size
+        self.block_size = config.cache.block_size
+        self.counters = DeviceCounters(model_name)
+        mode = platform.resolve_mode(config.device)
+        ops = platform.prepare_model(loaded.model, mode, config.device, int4_weights, cache_dir)
+        loaded.model.use_ops(ops)
+        self.num_blocks = self._num_blocks(config, loaded, limits)
+        cfg = loaded.config
+        self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
+            cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+            loaded.dtype, platform.device))
+        self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
+                                   loaded.dtype, ops.decode_layout)
+        self.graphs = platform.graph_runner(mode, ModelForward(loaded.model, self.kv_caches),
+                                            self.counters, loaded.model, config.device)
+        self.sampler = Sampler(ops.argmax)
+        self.warmup_config = config.warmup
+        self.token_budget = limits.max_num_batched_tokens
+        ranges = resolve_ranges(
+            config.bucketing, block_size=self.block_size, max_model_len=limits.max_model_len,
+            max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=self.token_budget,
+            num_blocks=self.num_blocks)
+        # Padding only pays where shapes are compiled or captured; plain eager PyTorch
+        # would just compute the padding.
+        self.shapes: ShapePlanner | None = None
+        if ranges.enabled and self.graphs.needs_warmup:
+            self.shapes = ShapePlanner(prompt_buckets(ranges), decode_buckets(ranges),
+                                       self.counters)
+            for line in format_plan(ranges).splitlines():
+                logger.info("%s", line)
 
-    def _prepare_decode_tables(self, seqs: list[Sequence]) -> ForwardInputs:
-        """Each sequence's last token with its own block table; nothing padded (eager CPU)."""
-        block = self.block_size
-        bs = len(seqs)
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [self.pad_block_id] * (width - len(s.block_table))
-                  for s in seqs]
-        lens = [s.num_tokens for s in seqs]
-        slots = [s.block_table[(n - 1) // block] * block + (n - 1) % block
-                 for s, n in zip(seqs, lens)]
-        dev = self.device
-        meta = AttentionMetadata(
-            False, block, torch.tensor(slots, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        )
-        return ForwardInputs(
-            torch.tensor([s.last_token_id for s in seqs], device=dev).view(bs, 1),
-            torch.tensor([n - 1 for n in lens], device=dev).view(bs, 1),
-            meta,
-            torch.arange(bs, device=dev),
-            bs,
-        )
+    @property
+    def pad_block_id(self) -> int:
+        return self.inputs.pad_block_id
 
-    # warmup: shapes without requests
+    def prefill_fits(self, num_seqs: int, max_tokens: int) -> bool:
+        """Whether a prefill of this many sequences, the longest ``max_tokens`` long, still
+        has a bucket within the step's token budget once padded."""
+        return self.shapes is None or self.shapes.prefill_fits(num_seqs, max_tokens,
+                                                               self.token_budget)
 
-    def dummy_inputs(self, phase: str, bucket: tuple[int, int, int]) -> ForwardInputs:
-        """Inputs of exactly a bucket's shape, every write landing in the padding block."""
-        bs, q, blocks = bucket
-        block = self.block_size
-        pad = self.pad_block_id
-        if phase == "prompt":
-            seqs = [_dummy_seq(q, [pad] * -(-q // block)) for _ in range(bs)]
-            return self.prepare_prefill(seqs, pad_to=(bs, q))
-        # Spread the bucket's blocks over its rows; every row has at least one.
-        per_row = [blocks // bs + (1 if i < blocks % bs else 0) for i in range(bs)]
-        seqs = [_dummy_seq(n * block, [pad] * n) for n in per_row if n > 0]
-        return self.prepare_decode(seqs, pad_to=(bs, blocks))
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        seqs = batch.seqs
+        phase = batch.phase
+        bucket = self._bucket(phase, seqs)
+        pad_to = padded_size(phase, bucket)
+        if phase is Phase.PROMPT:
+            inputs = self.inputs.prefill(seqs, pad_to)
+            real = sum(s.num_tokens for s in seqs)
+        else:
+            inputs = self.inputs.decode(seqs, pad_to)
+            real = len(seqs)
+        self.counters.tokens(phase, real, inputs.input_ids.numel())
+        logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
+        sampling = SamplingTensors.build(seqs, self.vocab_size, self.eos_token_ids,
+                                         self.platform.device)
+        out = self.sampler(logits, sampling)
+        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, seqs))
 
-    def warm_sampler(self, bs: int, config: tuple[float, float, int], batch_changed: bool) -> None:
+    def _bucket(self, phase: Phase, seqs: list[Sequence]) -> Bucket:
+        """The planned bucket that holds the batch, or its exact shape when bucketing is off
+        or the batch fits no bucket (then counted as a miss)."""
+        if phase is Phase.PROMPT:
+            bs, size = len(seqs), max(s.num_tokens for s in seqs)
+        else:
+            bs, size = len(seqs), sum(len(s.block_table) for s in seqs)
+        if self.shapes is None:
+            return exact_bucket(phase, bs, size)
+        return self.shapes.pad(phase, bs, size)
+
+    def warmup(self) -> float:
+        """Runs (compiles / captures) every planned bucket and the sampler before serving;
+        returns the seconds spent."""
+        buckets = self.shapes.buckets if self.shapes is not None else {p: [] for p in Phase}
+        hooks = WarmupHooks(self.inputs.dummy, self.warm_sampler,
+                            lambda: self.platform.free_memory_bytes()[0])
+        logger.info("Execution mode: %s", self.graphs.description)
+        with torch.inference_mode():
+            return run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+
+    def warm_sampler(self, bs: int, config: tuple[float, float, int]) -> None:
         """Runs the sampler on random logits with one of the reference's configurations."""
-        del batch_changed  # no cached batch state here: both paths are the same code
         temperature, top_p, top_k = config
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k or -1,
                                 max_tokens=1)
-        seqs = [_dummy_seq(1, [], params) for _ in range(bs)]
-        logits = torch.randn(bs, self.vocab_size, device=self.device)
+        seqs = [dummy_seq(1, [], params) for _ in range(bs)]
+        logits = torch.randn(bs, self.vocab_size, device=self.platform.device)
         with torch.inference_mode():
             self.sampler(logits, SamplingTensors.build(seqs, self.vocab_size,
-                                                       self.eos_token_ids, self.device))
+                                                       self.eos_token_ids, self.platform.device))
 
-
-def _dummy_seq(num_tokens: int, block_table: list[int],
-               params: SamplingParams | None = None) -> Sequence:
-    seq = Sequence(-1, "warmup", 0, [0] * num_tokens, params or SamplingParams(), 0.0)
-    seq.block_table = block_table
-    return seq
+    def _num_blocks(self, config: EngineConfig, loaded: LoadedModel,
+                    limits: SchedulerLimits) -> int:
+        cache = config.cache
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        cfg = loaded.config
+        per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                       cache.block_size, loaded.dtype)
+        per_seq = blocks_for(limits.max_model_len, cache.block_size)
+        # No use holding more than every sequence at full length.
+        return num_kv_blocks(self.platform.kv_cache_budget_bytes(cache), per_block,
+                             limits.max_num_seqs * per_seq, per_seq)

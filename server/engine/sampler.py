@@ -104,8 +104,8 @@ class Sampler:
     where PyTorch's CPU argmax is a scalar loop; the same answer, ties to the first index).
     """
 
-    def __init__(self) -> None:
-        self.argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.argmax = argmax or _torch_argmax
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()

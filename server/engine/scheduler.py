@@ -9,8 +9,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from server.config import SchedulerConfig
 from server.engine.block_manager import BlockManager
 from server.engine.sequence import ScheduledBatch, Sequence, SequenceStatus
+from server.hpu.types import Phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +22,21 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+
+    @classmethod
+    def resolve(cls, config: SchedulerConfig, model_max_len: int) -> SchedulerLimits:
+        """The flags' limits with the model's defaults filled in, checked against it."""
+        max_model_len = config.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                             f"{model_max_len}")
+        max_batched = config.batched_tokens_for(max_model_len)
+        if max_batched < max_model_len:
+            # Without chunked prefill a whole prompt must fit one step's token budget.
+            raise ValueError(
+                f"--max-num-batched-tokens ({max_batched}) must be >= --max-model-len "
+                f"({max_model_len}) since prompts are not chunked")
+        return cls(config.max_num_seqs, max_batched, max_model_len)
 
 
 class Scheduler:
@@ -108,7 +125,7 @@ class Scheduler:
         if not seqs:
             return None
         self.running.extend(seqs)
-        return ScheduledBatch("prefill", seqs)
+        return ScheduledBatch(Phase.PROMPT, seqs)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         preempted: list[Sequence] = []
@@ -123,8 +140,8 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
         if not self.running:
-            return ScheduledBatch("decode", [], preempted) if preempted else None
-        return ScheduledBatch("decode", list(self.running), preempted)
+            return ScheduledBatch(Phase.DECODE, [], preempted) if preempted else None
+        return ScheduledBatch(Phase.DECODE, list(self.running), preempted)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from server.engine.outputs import FinishReason, TokenLogprob
 from server.engine.sampling_params import SamplingParams
+from server.hpu.types import Phase
 
 
 class SequenceStatus(enum.Enum):
@@ -75,14 +76,10 @@ class ScheduledBatch:
     generated) and samples one token; decode feeds each sequence's last token.
     """
 
-    phase: Literal["prefill", "decode"]
+    phase: Phase
     seqs: list[Sequence]
     # sequences pushed back to the waiting queue this step to free KV blocks
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.phase == "prefill"
 
     @property
     def num_seqs(self) -> int:

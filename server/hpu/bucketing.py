@@ -11,12 +11,13 @@ from __future__ import annotations
 import ast
 import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
 
-Bucket = tuple[int, int, int]
+from server.config import BucketingConfig, DimOverride
+from server.hpu.types import Bucket
+
 DimRange = tuple[int, int, int, int]  # (min, step, max, limit); limit unused by "lin"
 
 
@@ -61,8 +62,8 @@ def lin_range(minimum: int, step: int, maximum: int) -> list[int]:
 
 
 @dataclass(frozen=True, slots=True)
-class BucketingConfig:
-    """Resolved bucketing inputs: strategy, per-dimension ranges and the engine limits."""
+class BucketRanges:
+    """Bucketing resolved against the engine's limits: strategy, per-dimension ranges."""
 
     strategy: str  # exp | lin | file
     enabled: bool
@@ -70,71 +71,57 @@ class BucketingConfig:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    prompt: dict[str, DimRange] = field(default_factory=dict)  # keys bs, seq, ctx
+    prompt: dict[str, DimRange] = field(default_factory=dict)  # keys bs, seq
     decode: dict[str, DimRange] = field(default_factory=dict)  # keys bs, block
     file: str | None = None
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def bucketing_config(env: Mapping[str, str], *, block_size: int, max_model_len: int,
-                     max_num_seqs: int, max_num_batched_tokens: int,
-                     num_blocks: int | None = None,
-                     max_prefill_batch: int | None = None) -> BucketingConfig:
-    """Reads the reference's knobs (names and defaults) from an environment mapping."""
+def resolve_ranges(cfg: BucketingConfig, *, block_size: int, max_model_len: int,
+                   max_num_seqs: int, max_num_batched_tokens: int,
+                   num_blocks: int | None = None) -> BucketRanges:
+    """The reference's defaults filled in from the limits, the user's values kept."""
     B, mml, mns, mnbt = block_size, max_model_len, max_num_seqs, max_num_batched_tokens
-    strategy = env.get("VLLM_BUCKETING_STRATEGY", "").lower() or (
-        "lin" if env.get("VLLM_EXPONENTIAL_BUCKETING", "true").lower() in ("false", "0") else "exp")
-    if strategy not in ("exp", "lin"):
-        raise ValueError(f"VLLM_BUCKETING_STRATEGY must be exp or lin, got {strategy!r}")
-    file = env.get("VLLM_BUCKETING_FROM_FILE") or None
-    enabled = env.get("VLLM_ENABLE_BUCKETING", "true").lower() not in ("false", "0")
-    p_bs_max = _int(env, "VLLM_PROMPT_BS_BUCKET_MAX", max_prefill_batch or 1)
+    p_bs_max = _or(cfg.prompt_bs[2], 1)
     # Decode blocks: every sequence at full length is the worst case.
     block_max = max(math.ceil(mml / B) * mns, 1)
     if num_blocks is not None:
         # The reference's "3x physical" clamp: tables of one batch rarely exceed the cache.
         block_max = min(block_max, 3 * num_blocks)
-    if strategy == "exp":
+    if cfg.strategy == "exp":
         # exp derives its ranges itself; like the reference, user min/step/max are not read.
         prompt = {"bs": (1, 2, p_bs_max, math.ceil(math.log2(max(p_bs_max, 1))) + 1),
                   "seq": (B, B, min(mnbt, mml), max(1, math.ceil(math.log2(min(mnbt, mml)))))}
         decode = {"bs": (1, 2, mns, math.ceil(math.log2(max(mns, 1))) + 1),
                   "block": (1, mns, block_max, math.ceil(math.log2(block_max)) + 1)}
     else:
-        def dim(phase: str, name: str, defaults: tuple[int, int, int]) -> DimRange:
-            lo, st, hi = (_int(env, f"VLLM_{phase}_{name}_BUCKET_{k}", d)
-                          for k, d in zip(("MIN", "STEP", "MAX"), defaults))
+        def dim(given: DimOverride, defaults: tuple[int, int, int]) -> DimRange:
+            lo, st, hi = (_or(g, d) for g, d in zip(given, defaults))
             return (lo, st, hi, 0)
 
-        prompt = {"bs": dim("PROMPT", "BS", (1, 1, p_bs_max)),
-                  "seq": dim("PROMPT", "SEQ", (B, B, min(mnbt, mml)))}
-        decode = {"bs": dim("DECODE", "BS", (1, 32, mns)),
-                  "block": dim("DECODE", "BLOCK", (1, B, max(mml * mns // B, B)))}
-    return BucketingConfig("file" if file else strategy, enabled, B, mml, mns, mnbt,
-                           prompt, decode, file)
+        prompt = {"bs": dim(cfg.prompt_bs, (1, 1, p_bs_max)),
+                  "seq": dim(cfg.prompt_seq, (B, B, min(mnbt, mml)))}
+        decode = {"bs": dim(cfg.decode_bs, (1, 32, mns)),
+                  "block": dim(cfg.decode_block, (1, B, max(mml * mns // B, B)))}
+    return BucketRanges("file" if cfg.file else cfg.strategy, cfg.enabled, B, mml, mns, mnbt,
+                        prompt, decode, cfg.file)
 
 
-def _range(cfg: BucketingConfig, r: DimRange) -> list[int]:
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _range(cfg: BucketRanges, r: DimRange) -> list[int]:
     return exp_range(*r) if cfg.strategy == "exp" else lin_range(*r[:3])
 
 
-def prompt_buckets(cfg: BucketingConfig) -> list[Bucket]:
+def prompt_buckets(cfg: BucketRanges) -> list[Bucket]:
     if cfg.file:
         return [b for b in parse_bucket_file(cfg.file) if b[1] != 1 and _prompt_ok(cfg, b)]
     candidates = product(_range(cfg, cfg.prompt["bs"]), _range(cfg, cfg.prompt["seq"]), [0])
     return sorted(b for b in candidates if _prompt_ok(cfg, b))
 
 
-def decode_buckets(cfg: BucketingConfig) -> list[Bucket]:
+def decode_buckets(cfg: BucketRanges) -> list[Bucket]:
     if cfg.file:
         found = [b for b in parse_bucket_file(cfg.file) if b[1] == 1]
         return sorted({_cap_decode(cfg, b) for b in found if b[0] <= b[2]})
@@ -144,14 +131,14 @@ def decode_buckets(cfg: BucketingConfig) -> list[Bucket]:
     return sorted(out)
 
 
-def _prompt_ok(cfg: BucketingConfig, b: Bucket) -> bool:
+def _prompt_ok(cfg: BucketRanges, b: Bucket) -> bool:
     bs, q, ctx = b
     return (bs <= cfg.max_num_seqs and q <= cfg.max_model_len
             and bs * q <= cfg.max_num_batched_tokens
             and ctx <= math.ceil((cfg.max_model_len - 1) / cfg.block_size))
 
 
-def _cap_decode(cfg: BucketingConfig, b: Bucket) -> Bucket:
+def _cap_decode(cfg: BucketRanges, b: Bucket) -> Bucket:
     # A batch of bs sequences can never reference more than bs full-length tables.
     bs, q, blocks = b
     return (bs, q, min(blocks, bs * math.ceil(cfg.max_model_len / cfg.block_size)))
@@ -182,7 +169,7 @@ def parse_bucket_file(path: str) -> list[Bucket]:
     return sorted(buckets)
 
 
-def config_lines(cfg: BucketingConfig) -> list[str]:
+def config_lines(cfg: BucketRanges) -> list[str]:
     """The reference's start-up lines describing the ranges."""
     if cfg.file:
         return [f"Bucketing from file: {cfg.file}"]
@@ -195,7 +182,7 @@ def config_lines(cfg: BucketingConfig) -> list[str]:
     ]
 
 
-def format_plan(cfg: BucketingConfig) -> str:
+def format_plan(cfg: BucketRanges) -> str:
     prompt, decode = prompt_buckets(cfg), decode_buckets(cfg)
     return "\n".join(config_lines(cfg) + [
         f"Generated {len(prompt)} prompt buckets [bs, query, num_blocks]: {prompt}",

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created
 # vLLM exposes no *_created series; neither do we (they double every counter).
 disable_created_metrics()
 
+# Step phases (server.hpu.types.Phase values) plus the sampler's own compilations.
 PHASES = ("prompt", "decode", "sampler")
 
 
@@ -49,6 +50,7 @@ class DeviceCounters:
         self._totals: dict[tuple[str, str], int] = {}
 
     def compiled(self, phase: str, count: int = 1) -> None:
+        phase = str(phase)
         self._compilations.labels(self.model_name, phase, self.stage).inc(count)
         key = (phase, self.stage)
         self._totals[key] = self._totals.get(key, 0) + count

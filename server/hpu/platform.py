@@ -1,66 +1,98 @@
-"""Which device runs the model, and how much memory it has free.
+"""Platforms: a device kind and everything the engine asks of it.
 
-The only place that imports vendor modules (``habana_frameworks``); importing the package
-never requires them.
+A platform is a :class:`Platform` subclass found through the ``hpu_serve.platform_plugins``
+entry-point group: the built-in ``hpu`` (``gaudi.py``), ``cuda`` (``cuda.py``) and ``cpu``
+(``cpu/``) register the same way a third-party package (TPU, Neuron...) would, and bring
+their own memory query, default execution mode, graph runners, model preparation and
+``torch.distributed`` backend name. Nothing here branches on a platform's name.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class Platform:
-    """A device kind and the handful of facts the engine needs from it."""
-
-    name: str  # hpu | cuda | cpu
-    device: torch.device
-
-    def free_memory_bytes(self) -> tuple[int, int]:
-        """(free, total) device memory; CPU reports nothing (the cache has an explicit bound)."""
-        if self.name == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return int(free), int(total)
-        if self.name == "hpu":
-            import habana_frameworks.torch as htorch  # noqa: F401
-
-            free, total = torch.hpu.mem_get_info()  # type: ignore[attr-defined]
-            return int(free), int(total)
-        return 0, 0
-
-    def prepare_process(self) -> None:
-        """Process-wide settings the platform wants before the model runs."""
-        if self.name == "cpu":
-            from server.hpu.host_memory import tune_host_allocator
-
-            tune_host_allocator()  # activations live in host memory: keep pages mapped
-
+from server.config import CacheConfig, DeviceConfig, ExecutionMode
+from server.hpu.counters import DeviceCounters
+from server.hpu.graph_runner import CompiledRunner, EagerRunner, ForwardFn, GraphRunner
+from server.hpu.layer_ops import TorchLayerOps
 
 PLUGIN_GROUP = "hpu_serve.platform_plugins"
+# Preference of ``--device auto`` among the built-ins; third parties come before the CPU.
 _BUILTIN_ORDER = ("hpu", "cuda")
 
 
-def hpu_plugin() -> Platform | None:
-    return Platform("hpu", torch.device("hpu")) if _hpu_available() else None
+class Platform:
+    """The base platform: eager or ``torch.compile`` execution, a KV cache sized from free
+    device memory. Subclasses override what their device does differently.
 
+    A plugin is a zero-argument callable registered under ``hpu_serve.platform_plugins``
+    that returns an instance, or None where the device is not present.
+    """
 
-def cuda_plugin() -> Platform | None:
-    if not torch.cuda.is_available():
-        return None
-    return Platform("cuda", torch.device("cuda", torch.cuda.current_device()))
+    name: ClassVar[str] = "abstract"
+    # torch.distributed backend of this device (for tensor parallelism)
+    dist_backend: ClassVar[str] = "gloo"
+    # what ``--execution-mode auto`` means here
+    default_mode: ClassVar[ExecutionMode] = ExecutionMode.COMPILE
+    # modes this platform can run (AUTO is resolved first)
+    supported_modes: ClassVar[frozenset[ExecutionMode]] = frozenset(
+        {ExecutionMode.EAGER, ExecutionMode.COMPILE})
 
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
-def cpu_plugin() -> Platform | None:
-    return Platform("cpu", torch.device("cpu"))
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    def free_memory_bytes(self) -> tuple[int, int]:
+        """(free, total) device memory; (0, 0) where the device cannot tell."""
+        return 0, 0
+
+    def kv_cache_budget_bytes(self, cache: CacheConfig) -> int:
+        """Bytes the KV cache may take: what is free now, less the share of the device
+        that ``--gpu-memory-utilization`` keeps back."""
+        free, total = self.free_memory_bytes()
+        return int(free - total * (1.0 - cache.gpu_memory_utilization))
+
+    def prepare_process(self) -> None:
+        """Process-wide settings wanted before the model is loaded."""
+
+    def resolve_mode(self, cfg: DeviceConfig) -> ExecutionMode:
+        """The execution mode to run: ``--enforce-eager`` wins, ``auto`` is the default."""
+        if cfg.enforce_eager:
+            return ExecutionMode.EAGER
+        mode = self.default_mode if cfg.execution_mode is ExecutionMode.AUTO else cfg.execution_mode
+        if mode not in self.supported_modes:
+            supported = ", ".join(sorted(m.value for m in self.supported_modes))
+            raise ValueError(f"--execution-mode {mode} is not available on {self.name} "
+                             f"(supported: {supported})")
+        return mode
+
+    def graph_runner(self, mode: ExecutionMode, forward: ForwardFn, counters: DeviceCounters,
+                     model: torch.nn.Module, cfg: DeviceConfig) -> GraphRunner:
+        """How ``forward`` runs in ``mode``. Compiled mode compiles one decoder layer per
+        shape (identical layers share it) rather than the whole model."""
+        if mode is ExecutionMode.EAGER:
+            return EagerRunner(forward, counters)
+        regions = list(getattr(model, "layers", [])) or None
+        return CompiledRunner(forward, counters, regions=regions)
+
+    def prepare_model(self, model: torch.nn.Module, mode: ExecutionMode, cfg: DeviceConfig,
+                      int4_weights: Callable[[], Mapping[str, Any]] | None,
+                      cache_dir: Path) -> TorchLayerOps:
+        """Device-specific preparation of a loaded model before its KV cache exists (weight
+        layouts, quantized paths); returns the layer ops the model should run."""
+        del model, mode, cfg, int4_weights, cache_dir
+        return TorchLayerOps()
 
 
 def discover_platforms() -> dict[str, Platform | None]:
-    """Every platform registered under the ``hpu_serve.platform_plugins`` entry-point group
-    (the built-ins register the same way as a third party would), mapped to the Platform its
-    plugin function returns, or None where it is not available on this machine."""
+    """Every platform registered under ``hpu_serve.platform_plugins``, mapped to the
+    Platform its plugin returns, or None where it is not available on this machine."""
     from importlib.metadata import entry_points
 
     found: dict[str, Platform | None] = {}
@@ -70,6 +102,10 @@ def discover_platforms() -> dict[str, Platform | None]:
         except Exception:  # a broken plugin must not take the server down
             found[ep.name] = None
     if "cpu" not in found:  # running from a source tree without installed metadata
+        from server.hpu.cpu.platform import cpu_plugin
+        from server.hpu.cuda import cuda_plugin
+        from server.hpu.gaudi import hpu_plugin
+
         found.update(hpu=hpu_plugin(), cuda=cuda_plugin(), cpu=cpu_plugin())
     return found
 
@@ -84,18 +120,10 @@ def detect_platform(requested: str = "auto") -> Platform:
             raise RuntimeError(f"--device {requested}: not available here (platforms: {known})")
         return platform
     for name in _BUILTIN_ORDER:
-        if found.get(name) is not None:
-            return found[name]  # type: ignore[return-value]
+        platform = found.get(name)
+        if platform is not None:
+            return platform
     others = sorted(n for n, p in found.items() if p is not None and n != "cpu")
-    return found[others[0]] if others else found["cpu"]  # type: ignore[return-value]
-
-
-def _hpu_available() -> bool:
-    if importlib.util.find_spec("habana_frameworks") is None:
-        return False
-    try:
-        import habana_frameworks.torch.hpu as hthpu
-
-        return bool(hthpu.is_available())
-    except Exception:  # a broken vendor install must not stop CPU/CUDA serving
-        return False
+    chosen = found[others[0]] if others else found["cpu"]
+    assert chosen is not None, "the CPU platform is always available"
+    return chosen

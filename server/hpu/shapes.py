@@ -7,10 +7,9 @@ import logging
 from collections.abc import Sequence
 
 from server.hpu.counters import DeviceCounters
+from server.hpu.types import Bucket, Phase
 
 logger = logging.getLogger(__name__)
-
-Bucket = tuple[int, int, int]  # (batch size, query length, context blocks)
 
 
 class ShapePlanner:
@@ -23,14 +22,15 @@ class ShapePlanner:
 
     def __init__(self, prompt: Sequence[Bucket], decode: Sequence[Bucket],
                  counters: DeviceCounters) -> None:
-        self.buckets: dict[str, list[Bucket]] = {"prompt": sorted(prompt), "decode": sorted(decode)}
+        self.buckets: dict[Phase, list[Bucket]] = {Phase.PROMPT: sorted(prompt),
+                                                   Phase.DECODE: sorted(decode)}
         self.counters = counters
-        self._warned: set[tuple[str, int, int]] = set()
+        self._warned: set[Bucket] = set()
 
-    def find(self, phase: str, bs: int, size: int) -> Bucket | None:
+    def find(self, phase: Phase, bs: int, size: int) -> Bucket | None:
         """The lexicographically smallest bucket dominating (bs, size), as the reference
         implementation picks it (smallest batch first, not least padding)."""
-        target: Bucket = (bs, size, 0) if phase == "prompt" else (bs, 1, size)
+        target = exact_bucket(phase, bs, size)
         buckets = self.buckets[phase]
         for bucket in buckets[bisect.bisect_left(buckets, target):]:
             if all(b >= t for b, t in zip(bucket, target)):
@@ -40,17 +40,28 @@ class ShapePlanner:
     def prefill_fits(self, num_seqs: int, max_tokens: int, token_budget: int) -> bool:
         """Padding-aware admission: the padded batch must have a bucket, and its padded
         token count (bs * query) must fit the step's token budget."""
-        bucket = self.find("prompt", num_seqs, max_tokens)
+        bucket = self.find(Phase.PROMPT, num_seqs, max_tokens)
         return bucket is not None and bucket[0] * bucket[1] <= token_budget
 
-    def pad(self, phase: str, exact: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, int]]:
-        bs, size = exact
+    def pad(self, phase: Phase, bs: int, size: int) -> Bucket:
+        """The bucket to run a batch of ``bs`` rows and ``size`` (prompt length or total
+        KV blocks) in: a planned one, or the exact shape when none holds it (a miss)."""
         bucket = self.find(phase, bs, size)
-        if bucket is None:
-            self.counters.missed(phase)
-            if (phase, bs, size) not in self._warned:
-                self._warned.add((phase, bs, size))
-                logger.warning("Configuration: (%r, %d, %d) was not warmed-up!", phase, bs, size)
-            return (bs, size), exact
-        padded = (bucket[0], bucket[1]) if phase == "prompt" else (bucket[0], bucket[2])
-        return bucket, padded
+        if bucket is not None:
+            return bucket
+        self.counters.missed(phase)
+        exact = exact_bucket(phase, bs, size)
+        if exact not in self._warned:
+            self._warned.add(exact)
+            logger.warning("Configuration: (%r, %d, %d) was not warmed-up!", str(phase), bs, size)
+        return exact
+
+
+def exact_bucket(phase: Phase, bs: int, size: int) -> Bucket:
+    """The bucket of exactly this shape: ``size`` is the prompt length or total blocks."""
+    return (bs, size, 0) if phase is Phase.PROMPT else (bs, 1, size)
+
+
+def padded_size(phase: Phase, bucket: Bucket) -> tuple[int, int]:
+    """(rows, prompt length or total blocks) that a batch in ``bucket`` is padded to."""
+    return (bucket[0], bucket[1]) if phase is Phase.PROMPT else (bucket[0], bucket[2])

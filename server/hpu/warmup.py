@@ -11,17 +11,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from server.config import WarmupConfig
+from server.config import ExecutionMode, WarmupConfig
 from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import ForwardInputs, GraphRunner
+from server.hpu.types import Bucket, Phase
 
 logger = logging.getLogger(__name__)
 
-Bucket = tuple[int, int, int]
 GiB = float(1 << 30)
+_LABELS = {Phase.PROMPT: "Prompt", Phase.DECODE: "Decode"}
 
-# (temperature, top_p, top_k): the six sampler configurations of the reference, each run
-# with batch_changed True and False = 12 configurations.
+# (temperature, top_p, top_k): the six sampler configurations of the reference, which runs
+# each with batch_changed True and False. Our sampler keeps no state between batches, so
+# both variants run the same code: they are logged as the reference logs them, run once.
 SAMPLER_CONFIGS = ((0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 50), (0.3, 0.95, 20),
                    (1.2, 0.8, 100), (0.8, 0.85, 0))
 
@@ -31,37 +33,37 @@ class WarmupHooks:
     """What warmup needs from the engine, as plain callables (the device layer does not
     know sequences or samplers)."""
 
-    make_inputs: Callable[[str, Bucket], ForwardInputs]
-    run_sampler: Callable[[int, tuple[float, float, int], bool], None]
+    make_inputs: Callable[[Phase, Bucket], ForwardInputs]
+    run_sampler: Callable[[int, tuple[float, float, int]], None]
     free_memory: Callable[[], int]  # bytes free on the device (0 where unknown, e.g. CPU)
 
 
-def run_warmup(buckets: dict[str, Sequence[Bucket]], runner: GraphRunner, hooks: WarmupHooks,
+def run_warmup(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner, hooks: WarmupHooks,
                counters: DeviceCounters, cfg: WarmupConfig) -> float:
     """Runs every bucket once (compiling it), captures graphs within the memory budget and
     warms the sampler; returns the seconds it took. Counters move to "serving" after."""
     start = time.monotonic()
-    for phase in ("prompt", "decode"):
+    for phase in Phase:
         counters.set_buckets(phase, "planned", len(buckets[phase]))
     if cfg.skip:
         logger.info("Skipping warmup (VLLM_SKIP_WARMUP=true): shapes compile on first use")
         counters.stage = "serving"
         return 0.0
-    if runner.mode == "eager":
+    if not runner.needs_warmup:
         # Nothing to compile or capture: running every bucket would only burn time.
         logger.info("Eager execution: no graphs to compile or capture, warmup skipped")
         counters.stage = "serving"
         return 0.0
-    for phase, label in (("prompt", "Prompt"), ("decode", "Decode")):
+    for phase in Phase:
         # Largest first, like the reference: the peak memory shows up at once.
         ordered = sorted(buckets[phase], key=lambda b: (b[0] * max(b[1], b[2]), b), reverse=True)
         for i, bucket in enumerate(ordered, 1):
-            _log_step(label, i, len(ordered), bucket, hooks)
+            _log_step(_LABELS[phase], i, len(ordered), bucket, hooks)
             runner.warm(phase, bucket, hooks.make_inputs(phase, bucket))
         counters.set_buckets(phase, "warmed", len(ordered))
-        if not runner.captures_graphs:
-            counters.set_buckets(phase, "captured", len(ordered) if runner.mode != "eager" else 0)
-    if runner.captures_graphs and hasattr(runner, "capture"):
+        if not runner.captures_graphs:  # compiled graphs (or recorded ones) replay as they are
+            counters.set_buckets(phase, "captured", len(ordered) if runner.mode is not ExecutionMode.EAGER else 0)
+    if runner.captures_graphs:
         _capture_graphs(buckets, runner, hooks, counters, cfg)
     _warm_sampler(buckets, hooks)
     seconds = time.monotonic() - start
@@ -86,17 +88,18 @@ def capture_order(buckets: Sequence[Bucket], strategy: str) -> list[Bucket]:
     return sorted(buckets, key=lambda b: (b[0] * max(b[1], b[2]), b))
 
 
-def _capture_graphs(buckets: dict[str, Sequence[Bucket]], runner: GraphRunner,
+def _capture_graphs(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
                     hooks: WarmupHooks, counters: DeviceCounters, cfg: WarmupConfig) -> None:
     free = hooks.free_memory()
     budget = free * cfg.graph_reserved_mem
-    budgets = {"prompt": budget * cfg.graph_prompt_ratio,
-               "decode": budget * (1 - cfg.graph_prompt_ratio)}
+    budgets = {Phase.PROMPT: budget * cfg.graph_prompt_ratio,
+               Phase.DECODE: budget * (1 - cfg.graph_prompt_ratio)}
     logger.info("Using %.2f GiB/%.2f GiB of free device memory for graphs, %.3f GiB for prompt "
                 "and %.3f GiB for decode (VLLM_GRAPH_PROMPT_RATIO=%s)", budget / GiB, free / GiB,
-                budgets["prompt"] / GiB, budgets["decode"] / GiB, cfg.graph_prompt_ratio)
-    strategies = {"prompt": cfg.prompt_strategy, "decode": cfg.decode_strategy}
-    for phase, label in (("prompt", "Prompt"), ("decode", "Decode")):
+                budgets[Phase.PROMPT] / GiB, budgets[Phase.DECODE] / GiB, cfg.graph_prompt_ratio)
+    strategies = {Phase.PROMPT: cfg.prompt_strategy, Phase.DECODE: cfg.decode_strategy}
+    for phase in Phase:
+        label = _LABELS[phase]
         ordered = capture_order(buckets[phase], strategies[phase])
         captured: list[Bucket] = []
         used = 0.0
@@ -105,7 +108,7 @@ def _capture_graphs(buckets: dict[str, Sequence[Bucket]], runner: GraphRunner,
             if used >= budgets[phase]:
                 break  # budget spent: the remaining buckets run compiled but uncaptured
             _log_step(f"Graph/{label}", i, len(ordered), bucket, hooks)
-            runner.capture(phase, bucket, hooks.make_inputs(phase, bucket))  # type: ignore[attr-defined]
+            runner.capture(phase, bucket, hooks.make_inputs(phase, bucket))
             used += max(0, before - hooks.free_memory())
             captured.append(bucket)
         counters.set_buckets(phase, "captured", len(captured))
@@ -114,14 +117,15 @@ def _capture_graphs(buckets: dict[str, Sequence[Bucket]], runner: GraphRunner,
                     len(captured), share, used / GiB, sorted(captured))
 
 
-def _warm_sampler(buckets: dict[str, Sequence[Bucket]], hooks: WarmupHooks) -> None:
-    sizes = [1] + sorted({b[0] for b in buckets["decode"]} - {1})
+def _warm_sampler(buckets: dict[Phase, Sequence[Bucket]], hooks: WarmupHooks) -> None:
+    sizes = [1] + sorted({b[0] for b in buckets[Phase.DECODE]} - {1})
     logger.info("Warming up sampler with batch sizes: %s and following configs:", sizes)
-    configs = [(c, changed) for changed in (True, False) for c in SAMPLER_CONFIGS]
-    for (temp, top_p, top_k), changed in configs:
-        logger.info("temp=%s, top_p=%s, top_k=%d, batch_changed=%s", temp, top_p, top_k, changed)
+    for changed in (True, False):
+        for temp, top_p, top_k in SAMPLER_CONFIGS:
+            logger.info("temp=%s, top_p=%s, top_k=%d, batch_changed=%s", temp, top_p, top_k,
+                        changed)
     logger.info("Starting sampler warmup...")
     for bs in sizes:
-        for config, changed in configs:
-            hooks.run_sampler(bs, config, changed)
+        for config in SAMPLER_CONFIGS:
+            hooks.run_sampler(bs, config)
     logger.info("Sampler warmup completed successfully")

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from server.hpu.attention import AttentionMetadata
+from server.hpu.kv_cache import KVCache
+from server.hpu.layer_ops import Rope, TorchLayerOps
 from server.models.config import ModelConfig
-from server.models.layer_ops import KVCache, Rope, TorchLayerOps
 from server.models.rotary import RotaryEmbedding
 
 _TORCH_OPS = TorchLayerOps()

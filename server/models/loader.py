@@ -1,13 +1,12 @@
 """Weight loading: Hugging Face folders (config.json + safetensors) and GGUF files.
 
 Checkpoint names are mapped onto the model's fused parameters (q/k/v -> qkv_proj,
-gate/up -> gate_up_proj); GGUF tensors are dequantized to float32 first and llama.cpp's
-Q/K row permutation is undone.
+gate/up -> gate_up_proj); GGUF files are read by ``gguf.py`` (dequantized, Hugging Face
+names).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -21,7 +20,14 @@ import torch
 from tqdm import tqdm
 
 from server.models.config import ModelConfig
-from server.models.gguf_int4 import Int4Weight, read_int4_weights
+from server.models.gguf import (
+    ROPE_FREQ_FACTORS,
+    Int4Weight,
+    dequantized_tensors,
+    gguf_model_config,
+    open_gguf,
+    read_int4_weights,
+)
 from server.models.llama import LlamaForCausalLM
 from server.models.rotary import RotaryEmbedding
 
@@ -79,69 +85,9 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_hf(AutoConfig.from_pretrained(source.folder))
 
 
-def gguf_model_config(reader: object) -> ModelConfig:
-    """Reads the llama.cpp metadata keys (``{arch}.block_count``...) of a GGUF file.
-
-    Parsing the header ourselves reuses the reader we need for the tensors anyway;
-    going through transformers' GGUF config would parse the whole file a second time.
-    """
-    fields = reader.fields  # type: ignore[attr-defined]
-
-    def get(key: str, default: object = None) -> object:
-        if key not in fields:
-            return default
-        field = fields[key]
-        value = field.parts[field.data[0]] if field.data else None
-        if value is not None and value.dtype.kind == "u" and value.itemsize == 1:
-            return bytes(value).decode("utf-8")
-        return value.item() if value is not None and value.size == 1 else value
-
-    arch = str(get("general.architecture"))
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}")
-    names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
-    num_heads = int(get(f"{arch}.attention.head_count"))
-    hidden = int(get(f"{arch}.embedding_length"))
-    vocab = get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"].data)
-    eos = get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        model_type="llama" if arch == "mistral" else arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get(f"{arch}.feed_forward_length")),
-        num_layers=int(get(f"{arch}.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(get(f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(get(f"{arch}.rope.dimension_count", hidden // num_heads)),
-        rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=None,
-        max_position_embeddings=int(get(f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        o_bias="blk.0.attn_output.bias" in names,
-        mlp_bias="blk.0.ffn_up.bias" in names,
-        checkpoint_dtype=None,
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
-
-
 def _gguf_reader(source: ModelSource) -> object:
     assert source.gguf_file is not None
-    path = os.path.join(source.folder, source.gguf_file)
-    stat = os.stat(path)
-    return _open_gguf(path, stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, size: int, mtime_ns: int) -> object:
-    """One parse per file: reading the metadata (a 49k-entry vocabulary for SmolLM2) takes
-    seconds, and loading, the 4-bit codes and the config all read the same file (size and
-    mtime in the key: a rewritten file is parsed again)."""
-    del size, mtime_ns
-    import gguf
-
-    return gguf.GGUFReader(path)
+    return open_gguf(os.path.join(source.folder, source.gguf_file))
 
 
 def resolve_dtype(requested: str, cfg: ModelConfig, source: ModelSource, device: str) -> torch.dtype:
@@ -190,7 +136,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     ).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    tensors = _gguf_tensors(reader, cfg) if reader is not None else _safetensors(source)
+    tensors = dequantized_tensors(reader, cfg) if reader is not None else _safetensors(source)
     _load_into(model, tensors)
     model.eval()
     params = {id(p): p for p in model.parameters()}.values()
@@ -215,9 +161,6 @@ def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4We
                 time.monotonic() - start)
     return weights
 
-
-# Pseudo-name under which the GGUF rope_freqs tensor reaches _load_into.
-ROPE_FREQ_FACTORS = "rotary.freq_factors"
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -284,56 +227,3 @@ def _safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     keys = [(h, k) for h in handles for k in h.keys()]
     for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", leave=False):
         yield key, handle.get_tensor(key)
-
-
-_GGUF_NAMES = {
-    "token_embd.weight": "embed_tokens.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _gguf_tensors(reader: object, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-
-    # llama.cpp writes "qwen2" models unpermuted; everything else here came from "llama".
-    arch = "qwen2" if cfg.model_type == "qwen2" else "llama"
-    # llama.cpp's converter permutes Q/K rows for its interleaved RoPE on "llama" models
-    # only; Qwen2 GGUFs keep the Hugging Face layout.
-    unpermute = arch == "llama"
-    for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
-        weights = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-        name = _gguf_to_hf_name(t.name)
-        if t.name == "rope_freqs.weight":
-            name = ROPE_FREQ_FACTORS
-        if name is None:
-            continue
-        if unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-            weights = _unpermute(weights, heads)
-        yield name, weights
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
-    match = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    if match is None or match.group(2) not in _GGUF_BLOCK_NAMES:
-        return None
-    layer, part, kind = match.groups()
-    return f"layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
-
-
-def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    rows = w.shape[0]
-    return (
-        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
-        .transpose(1, 2)
-        .reshape(w.shape)
-    )

@@ -72,9 +72,3 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``[T, H, D]``; queries and keys go through in one call."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -6,16 +6,27 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.api.app import AppSettings, build_app
+from server.api.app import build_app
+from server.config import ServerConfig
 
 
 class FakeEngine:
     tokenizer = None
+    model_name = "m"
+    max_model_len = 64
 
     def __init__(self) -> None:
         self.is_alive = True
+        self.metrics_registry = CollectorRegistry()
+
+    def start(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
 
     def stats(self) -> SimpleNamespace:
         return SimpleNamespace(num_running=0, num_waiting=0, kv_cache_usage=0.0,
@@ -32,7 +43,7 @@ def engine_up(client: TestClient) -> float:
 
 def test_engine_death_turns_health_503_and_engine_up_0() -> None:
     engine = FakeEngine()
-    app = build_app(engine, AppSettings(model_name="m", max_model_len=64), start_engine=False)
+    app = build_app(engine, ServerConfig())
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200 and engine_up(client) == 1.0
         engine.is_alive = False

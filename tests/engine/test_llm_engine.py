@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from server import LLM, SamplingParams
+from server.config import make_engine_config
 from server.engine.errors import RequestError
 from server.engine.llm_engine import LLMEngine
-from server.config import make_engine_config
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from server.engine.block_manager import BlockManager
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerLimits
 from server.engine.sequence import Sequence, SequenceStatus
+from server.hpu.types import Phase
 
 
 def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8,
@@ -27,14 +28,18 @@ def test_prefill_then_decode_and_new_prompts_join_between_steps() -> None:
     sched = make_scheduler()
     sched.add(make_seq(0, 5))
     b = fake_step(sched)
-    assert b.phase == "prefill" and [s.seq_id for s in b.seqs] == [0]
+    assert b.phase is Phase.PROMPT
+    assert [s.seq_id for s in b.seqs] == [0]
     b = fake_step(sched)
-    assert b.phase == "decode" and [s.seq_id for s in b.seqs] == [0]
+    assert b.phase is Phase.DECODE
+    assert [s.seq_id for s in b.seqs] == [0]
     sched.add(make_seq(1, 3))
     b = fake_step(sched)
-    assert b.phase == "prefill" and [s.seq_id for s in b.seqs] == [1]
+    assert b.phase is Phase.PROMPT
+    assert [s.seq_id for s in b.seqs] == [1]
     b = fake_step(sched)
-    assert b.phase == "decode" and [s.seq_id for s in b.seqs] == [0, 1]
+    assert b.phase is Phase.DECODE
+    assert [s.seq_id for s in b.seqs] == [0, 1]
 
 
 def test_fcfs_and_max_num_seqs() -> None:
@@ -46,7 +51,8 @@ def test_fcfs_and_max_num_seqs() -> None:
     assert [s.seq_id for s in sched.waiting] == [2, 3]
     sched.finish(b.seqs[0])
     b = fake_step(sched)
-    assert b.phase == "prefill" and [s.seq_id for s in b.seqs] == [2]
+    assert b.phase is Phase.PROMPT
+    assert [s.seq_id for s in b.seqs] == [2]
 
 
 def test_token_budget_limits_prefill_batch() -> None:
@@ -64,15 +70,17 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_later() -> None:
     sched.add(a)
     sched.add(b)
     batch = fake_step(sched)
-    assert batch.phase == "prefill" and sched.block_manager.num_free_blocks == 0
+    assert batch.phase is Phase.PROMPT
+    assert sched.block_manager.num_free_blocks == 0
     batch = fake_step(sched)  # both need a 3rd block for token index 4: b is preempted
-    assert batch.phase == "decode"
+    assert batch.phase is Phase.DECODE
     assert [s.seq_id for s in batch.seqs] == [0] and [s.seq_id for s in batch.preempted] == [1]
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_preemptions == 1
     assert list(sched.waiting) == [b] and sched.num_preemptions == 1
     sched.finish(a)
     batch = fake_step(sched)  # b comes back as a prefill of prompt + generated tokens
-    assert batch.phase == "prefill" and batch.seqs == [b]
+    assert batch.phase is Phase.PROMPT
+    assert batch.seqs == [b]
     assert len(b.block_table) == 3  # 4 prompt tokens + 1 generated = 5 tokens
 
 

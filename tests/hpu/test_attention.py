@@ -25,7 +25,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 @pytest.mark.parametrize("pad_rows, pad_blocks", [(0, 0), (3, 0), (0, 5), (2, 7)])
 def test_flat_paged_attention_matches_dense(pad_rows: int, pad_blocks: int) -> None:
-    from server.engine.model_runner import ModelRunner
+    from server.engine.input_builder import InputBuilder
 
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -46,13 +46,10 @@ def test_flat_paged_attention_matches_dense(pad_rows: int, pad_blocks: int) -> N
         seq = Sequence(i, str(i), 0, [1] * n, SamplingParams(), 0.0)
         bm.allocate(seq)
         seqs.append(seq)
-    runner = ModelRunner.__new__(ModelRunner)  # only the input builder is exercised
-    runner.block_size, runner.pad_block_id = BLOCK, bm.pad_block_id
-    runner.device, runner.dtype = torch.device("cpu"), torch.float32
-    runner.decode_layout = "flat"
+    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32, "flat")
     num_real_blocks = sum(len(s.block_table) for s in seqs)
     pad_to = (len(seqs) + pad_rows, num_real_blocks + pad_blocks)
-    inputs = runner.prepare_decode(seqs, pad_to=pad_to)
+    inputs = builder.decode(seqs, pad_to=pad_to)
     query = torch.randn(pad_to[0], HKV * GROUPS, D)
     out = flat_paged_attention(query, k_cache, v_cache, inputs.meta, scale=D**-0.5)
     assert out.shape == query.shape

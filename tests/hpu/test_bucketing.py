@@ -9,19 +9,28 @@ from pathlib import Path
 
 import pytest
 
+from server.config import bucketing_config_from_env
 from server.hpu.bucketing import (
-    bucketing_config,
+    BucketRanges,
     decode_buckets,
     exp_range,
     format_plan,
     lin_range,
     parse_bucket_file,
     prompt_buckets,
+    resolve_ranges,
 )
 from server.hpu.counters import DeviceCounters
 from server.hpu.shapes import ShapePlanner
+from server.hpu.types import Phase
 
-SEEDS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "seeds"
+# The specification of record lives beside the checkout (../shared/reference/seeds).
+SEEDS = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "seeds"
+
+
+def bucketing_config(env: dict[str, str], **limits: int) -> BucketRanges:
+    """The plan an environment gives for these engine limits."""
+    return resolve_ranges(bucketing_config_from_env(env), **limits)
 
 
 def test_linear_ranges_of_the_docs() -> None:
@@ -52,7 +61,9 @@ def test_linear_strategy_reproduces_the_logged_pairs() -> None:
     assert [(b[0], b[1]) for b in prompt_buckets(cfg)] == LOGGED_PROMPT
 
 
-@pytest.mark.skipif(not SEEDS.is_dir(), reason="reference documents not beside the checkout")
+@pytest.mark.skipif(not SEEDS.is_dir(),
+                    reason=f"skipped: the reference documents are not at {SEEDS} (they sit "
+                           "beside the checkout, in ../shared/reference/seeds)")
 def test_logged_lists_in_the_source_document_match() -> None:
     text = (SEEDS / "000_646bb412a6b8ce59.txt").read_text()
     logged = re.search(r"Generated 24 prompt buckets: (\[.*?\])\n", text).group(1)
@@ -112,14 +123,13 @@ def test_padding_example_of_the_bucketing_document() -> None:
                            max_num_batched_tokens=4096)
     planner = ShapePlanner(prompt_buckets(cfg), decode_buckets(cfg), DeviceCounters("m"))
     # 3 sequences of 412 tokens -> prefill bucket (4, 512, 0)
-    assert planner.find("prompt", 3, 412) == (4, 512, 0)
+    assert planner.find(Phase.PROMPT, 3, 412) == (4, 512, 0)
     # decode: 3 rows of 4 blocks each -> batch 4; as requests finish -> batch 2
-    assert planner.find("decode", 3, 12)[0] == 4
-    assert planner.find("decode", 2, 8)[0] == 2
+    assert planner.find(Phase.DECODE, 3, 12)[0] == 4
+    assert planner.find(Phase.DECODE, 2, 8)[0] == 2
     # beyond every bucket: no bucket, the caller runs it as is and counts a miss
-    assert planner.find("prompt", 1, 4096) is None
-    key, padded = planner.pad("prompt", (1, 4096))
-    assert padded == (1, 4096)
+    assert planner.find(Phase.PROMPT, 1, 4096) is None
+    assert planner.pad(Phase.PROMPT, 1, 4096) == (1, 4096, 0)
     assert planner.counters._misses.labels("m", "prompt")._value.get() == 1
 
 

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from server import LLM, SamplingParams
+from server.config import ExecutionMode
 
 BUCKETS = "# prompt buckets\n(1, [32, 64], 0)\n# decode buckets\n([1, 4], 1, [8, 32])\n"
 
@@ -28,7 +29,7 @@ def engines(tiny_model, tmp_path_factory):
 def test_zero_compilations_after_warmup_and_eager_parity(engines) -> None:
     compiled, eager = engines
     counters = compiled.engine.counters
-    assert compiled.engine.runner.graphs.mode == "compiled"
+    assert compiled.engine.runner.graphs.mode is ExecutionMode.COMPILE
     # every planned bucket was compiled exactly once during warmup (layers share one graph)
     planned = compiled.engine.runner.shapes.buckets
     assert counters.compilations(stage="warmup") == len(planned["prompt"]) + len(planned["decode"])

@@ -15,8 +15,11 @@ PLUGIN = '''
 import torch
 from server.hpu.platform import Platform
 
+class TpuPlatform(Platform):
+    name = "tpu"
+
 def plugin():
-    return Platform("tpu", torch.device("cpu"))
+    return TpuPlatform(torch.device("cpu"))
 
 def unavailable():
     return None

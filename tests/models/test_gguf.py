@@ -77,7 +77,8 @@ def test_gguf_with_permuted_qk_and_rope_freqs_matches_transformers(tiny_model_fa
     with torch.no_grad():
         ref = hf_model(ids).logits[0]
     from server.engine.block_manager import BlockManager
-    from server.engine.model_runner import ModelRunner
+    from server.engine.input_builder import InputBuilder
+    from server.engine.model_runner import ModelForward
     from server.engine.sampling_params import SamplingParams
     from server.engine.sequence import Sequence
     from server.hpu.kv_cache import allocate_kv_cache
@@ -86,10 +87,11 @@ def test_gguf_with_permuted_qk_and_rope_freqs_matches_transformers(tiny_model_fa
     bm = BlockManager(16, 16)
     kv = allocate_kv_cache(cfg.num_layers, 16, 16, cfg.num_kv_heads, cfg.head_dim,
                            torch.float32, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, kv, 16, bm.pad_block_id, frozenset(), torch.device("cpu"))
+    forward = ModelForward(loaded.model, kv)
+    inputs = InputBuilder(16, bm.pad_block_id, torch.device("cpu"), torch.float32)
     seq = Sequence(0, "r", 0, ids[0].tolist(), SamplingParams(), 0.0)
     bm.allocate(seq)
     with torch.inference_mode():
-        ours = runner.forward(runner.prepare_prefill([seq]))[0]
+        ours = forward(inputs.prefill([seq]))[0]
     # position 199 is far beyond original_max_position_embeddings=64: scaling matters here
     torch.testing.assert_close(ours, ref[-1], atol=2e-4, rtol=1e-4)

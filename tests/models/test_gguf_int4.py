@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.models.gguf_int4 import GROUP_SIZE, _split_blocks, read_int4_weights
+from server.models.gguf import GROUP_SIZE, _split_blocks, read_int4_weights
 from server.models.loader import _gguf_reader, load_model, resolve_model_source
 
 

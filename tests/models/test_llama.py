@@ -17,24 +17,26 @@ BLOCK = 8
 def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int):
     """Prefill all prompts as one padded batch, then decode `steps` tokens (teacher-forced
     with the reference's tokens), returning our logits per step."""
-    from server.engine.model_runner import ModelRunner
+    from server.engine.input_builder import InputBuilder
+    from server.engine.model_runner import ModelForward
 
     loaded = load_model(resolve_model_source(folder), "float32", torch.device("cpu"))
     cfg = loaded.config
     bm = BlockManager(64, BLOCK)
     kv = allocate_kv_cache(cfg.num_layers, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim,
                            torch.float32, torch.device("cpu"))
-    runner = ModelRunner(loaded.model, kv, BLOCK, bm.pad_block_id, frozenset(), torch.device("cpu"))
+    forward = ModelForward(loaded.model, kv)
+    inputs = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32)
     seqs = [Sequence(i, str(i), 0, p, SamplingParams(), 0.0) for i, p in enumerate(prompts)]
     for s in seqs:
         bm.allocate(s)
     with torch.inference_mode():
-        logits = [runner.forward(runner.prepare_prefill(seqs))]
+        logits = [forward(inputs.prefill(seqs))]
         for _ in range(steps):
             for s, row in zip(seqs, logits[-1]):
                 s.output_token_ids.append(int(row.argmax()))
                 bm.append_slot(s)
-            logits.append(runner.forward(runner.prepare_decode(seqs)))
+            logits.append(forward(inputs.decode(seqs)))
     return seqs, logits
 
 

@@ -3,12 +3,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from server.models.gguf import gguf_model_config
 from server.models.loader import (
     DEFAULT_MODEL_FILE,
-    gguf_model_config,
     load_model,
-    resolve_model_source,
     resolve_dtype,
+    resolve_model_source,
 )
 
 

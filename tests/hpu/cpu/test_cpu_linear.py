@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from server import LLM, SamplingParams
-from server.hpu.cpu_linear import (
+from server.hpu.cpu.linear import (
     PackedLinear,
     SmallBatchInt4Linear,
     int4_supported,

@@ -328,6 +328,12 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
 }  // namespace
 }  // namespace hpu_serve
 
+TORCH_LIBRARY_FRAGMENT(hpu_serve, m) {
+  m.def(
+      "decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(hpu_serve, CPU, m) {
   m.impl("decode_attention", &hpu_serve::decode_attention);
 }

@@ -80,36 +80,21 @@ def kernels_available() -> bool:
     return hasattr(torch.ops, "hpu_serve") and hasattr(torch.ops.hpu_serve, "decode_attention")
 
 
-def load_cpu_kernels(cache_dir: str | Path | None = None) -> bool:
-    """Builds (first time for this machine and source) into ``cache_dir`` (default
-    ``~/.cache/hpu-serve/kernels``) and registers the kernels; False, with the reason
-    logged, where that is impossible (no compiler, a failed build)."""
+def load_cpu_kernels(cache_dir: str | Path) -> bool:
+    """Builds (first time for this machine and source) into ``cache_dir`` and registers the
+    kernels; False, with the reason logged, where that is impossible (no compiler, a failed
+    build)."""
     with _lock:
         if "done" in _loaded:
             return _loaded["done"]
         try:
-            directory = (Path(cache_dir) if cache_dir else writable_cache_dir() / "kernels")
+            directory = Path(cache_dir)
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             logger.warning("Fused CPU kernels unavailable (cache directory: %s)", exc)
             directory = None
         _loaded["done"] = ok = directory is not None and _load(directory)
         return ok
-
-
-def writable_cache_dir(requested: str | Path | None = None) -> Path:
-    """``requested``, else ``~/.cache/hpu-serve``, else a temp dir: the first writable one
-    (a read-only home in a container must not stop the server)."""
-    for candidate in ([Path(requested)] if requested else []) + [
-            Path.home() / ".cache" / "hpu-serve",
-            Path(tempfile.gettempdir()) / "hpu-serve-cache"]:
-        try:
-            candidate.mkdir(parents=True, exist_ok=True)
-            if os.access(candidate, os.W_OK):
-                return candidate
-        except OSError:
-            continue
-    raise OSError("no writable cache directory (set HPU_SERVE_CACHE_DIR)")
 
 
 def _load(cache_dir: Path) -> bool:

@@ -8,9 +8,11 @@ import random
 import pytest
 import torch
 
+from server.cache_dir import writable_cache_dir
 from server.hpu.attention import AttentionMetadata
-from server.hpu.cpu_kernels import load_cpu_kernels
-from server.models.layer_ops import FusedCpuLayerOps, TorchLayerOps
+from server.hpu.cpu.kernels import load_cpu_kernels
+from server.hpu.cpu.layer_ops import FusedCpuLayerOps
+from server.hpu.layer_ops import TorchLayerOps
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -18,7 +20,8 @@ DTYPES = [torch.bfloat16, torch.float32]
 @pytest.fixture(scope="module")
 def fused() -> FusedCpuLayerOps:
     # CI machines have a compiler: failing to build is a failure, not a skip.
-    assert load_cpu_kernels(), "the fused CPU kernels did not build (see the log)"
+    assert load_cpu_kernels(writable_cache_dir() / "kernels"), \
+        "the fused CPU kernels did not build (see the log)"
     return FusedCpuLayerOps()
 
 
@@ -152,7 +155,7 @@ def test_engine_uses_kernels_on_cpu_unless_disabled(fused, tiny_model) -> None:
         llm = LLM(tiny_model[0], dtype="float32", block_size=16,
                   environ={"HPU_SERVE_CPU_KERNELS": flag})
         runner = llm.engine.runner
-        assert runner.decode_layout == ("block_tables" if flag == "1" else "flat")
+        assert runner.inputs.decode_layout == ("block_tables" if flag == "1" else "flat")
         assert runner.model.layers[0].self_attn.ops.name == ("fused-cpu" if flag == "1"
                                                              else "torch")
         outputs[flag] = [o.outputs[0].token_ids for o in llm.generate(
@@ -175,7 +178,7 @@ def test_prompt_attention_kernel_matches_sdpa_on_a_padded_batch(fused, dtype) ->
     """Prefill through the paged kernel (one row per token, causal via per-token lengths)
     against PyTorch's SDPA on the same right-padded [bs, q] batch."""
     from server.engine.block_manager import BlockManager
-    from server.engine.model_runner import ModelRunner
+    from server.engine.input_builder import InputBuilder
     from server.engine.sampling_params import SamplingParams
     from server.engine.sequence import Sequence
 
@@ -187,11 +190,9 @@ def test_prompt_attention_kernel_matches_sdpa_on_a_padded_batch(fused, dtype) ->
         seq = Sequence(i, str(i), 0, [1] * n, SamplingParams(), 0.0)
         manager.allocate(seq)
         seqs.append(seq)
-    runner = ModelRunner.__new__(ModelRunner)  # only the input builder is exercised
-    runner.block_size, runner.pad_block_id = block, manager.pad_block_id
-    runner.device, runner.dtype = torch.device("cpu"), dtype
-    runner.decode_layout = "block_tables"
-    meta = runner.prepare_prefill(seqs).meta
+    builder = InputBuilder(block, manager.pad_block_id, torch.device("cpu"), dtype,
+                           "block_tables")
+    meta = builder.prefill(seqs).meta
     tokens = len(seqs) * 37
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
     rope = (torch.ones(tokens, 1, dim, dtype=dtype), torch.zeros(tokens, 1, dim, dtype=dtype))
@@ -225,7 +226,7 @@ def test_argmax_matches_torch_including_ties_nan_and_infinities(fused, dtype, wi
 
 def test_a_failed_or_impossible_build_falls_back_to_pytorch_ops(tmp_path, monkeypatch,
                                                                  caplog) -> None:
-    from server.hpu import cpu_kernels
+    from server.hpu.cpu import kernels as cpu_kernels
 
     cache = tmp_path / "cache"
     cache.mkdir()

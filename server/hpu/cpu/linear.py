@@ -10,6 +10,7 @@ the same packing inductor applies when it freezes a CPU graph, so only eager mod
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -128,8 +129,8 @@ def int4_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def attach_int4_weights(model: nn.Module, weights: dict[str, Int4Codes], group_size: int,
-                        max_rows: int, dtype: torch.dtype) -> int:
+def attach_int4_weights(model: nn.Module, weights: Mapping[str, Int4Codes], max_rows: int,
+                        dtype: torch.dtype) -> int:
     """Give each named linear of ``model`` its int4 codes for batches of up to ``max_rows``
     rows; returns how many got them (0 where the kernel or dtype is missing)."""
     if not weights or not int4_supported(dtype):
@@ -141,6 +142,7 @@ def attach_int4_weights(model: nn.Module, weights: dict[str, Int4Codes], group_s
         if tuple(weight.codes.shape) != (dense.out_features, dense.in_features):
             raise ValueError(f"{name}: int4 codes {tuple(weight.codes.shape)} do not match "
                              f"the layer ({dense.out_features}, {dense.in_features})")
+        group_size = weight.codes.shape[1] // weight.scale.shape[1]
         setattr(parent, attr, SmallBatchInt4Linear(dense, weight, group_size, max_rows, dtype))
     logger.info("%d linear layers also hold their checkpoint's 4-bit weights, used for "
                 "batches of up to %d rows", len(weights), max_rows)

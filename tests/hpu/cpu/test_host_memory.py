@@ -9,7 +9,7 @@ import pytest
 
 PROBE = """
 import ctypes, sys, torch
-from server.hpu.host_memory import tune_host_allocator
+from server.hpu.cpu.host_memory import tune_host_allocator
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (

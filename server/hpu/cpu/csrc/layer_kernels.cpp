@@ -313,16 +313,14 @@ at::Tensor argmax(const at::Tensor& x) {
 }  // namespace
 }  // namespace hpu_serve
 
-TORCH_LIBRARY(hpu_serve, m) {
+// Each source registers the ops it implements; the library is their union.
+TORCH_LIBRARY_FRAGMENT(hpu_serve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def(
       "rotary_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
-  m.def(
-      "decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
 }
 

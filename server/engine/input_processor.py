@@ -1,0 +1,97 @@
+"""Requests in: tokenize the prompt, check it against the model and the cache, and build
+the sequences and per-completion state that the engine will queue."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from server.engine.block_manager import blocks_for
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.errors import RequestError
+from server.engine.output_processor import RequestState
+from server.engine.outputs import CompletionOutput, RequestMetrics
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import SchedulerLimits
+from server.engine.sequence import Sequence
+from server.engine.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    """Turns a prompt (text or token ids) and its params into a :class:`RequestState`.
+
+    Touches no engine state, so the async engine runs it off the engine thread: a long
+    prompt's tokenization never delays a step. Requests that can never be served (empty,
+    beyond ``max_model_len``, bigger than the whole KV cache, unknown token ids) raise
+    :class:`RequestError` with the numbers.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: SchedulerLimits,
+                 block_size: int, num_blocks: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._seq_ids = itertools.count()
+
+    def process(self, request_id: str, prompt: str | list[int],
+                params: SamplingParams | None = None,
+                arrival_time: float | None = None) -> RequestState:
+        params = params or SamplingParams()
+        prompt_text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = self._check(prompt_ids, params)
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now)
+                for i in range(params.n)]
+        return RequestState(
+            request_id, prompt_text, prompt_ids, params, seqs,
+            [self._detokenizer(prompt_ids, params) for _ in seqs],
+            [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+             for i in range(params.n)],
+            RequestMetrics(arrival_time=now),
+        )
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raises for what can never be served; fills in ``max_tokens`` when unset."""
+        max_len = self.limits.max_model_len
+        vocab = self.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        n_prompt = len(prompt_ids)
+        if n_prompt >= max_len:
+            raise RequestError(
+                f"This model's maximum context length is {max_len} tokens, but the prompt has "
+                f"{n_prompt} tokens (at least one token must be left to generate).", "prompt",
+            )
+        if params.max_tokens is None:
+            params = params.model_copy(update={"max_tokens": max_len - n_prompt})
+        elif n_prompt + params.max_tokens > max_len:
+            raise RequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+        assert params.max_tokens is not None
+        needed = blocks_for(n_prompt + params.max_tokens, self.block_size)
+        if needed > self.num_blocks:
+            raise RequestError(
+                f"the request needs {needed} KV blocks but the cache has only "
+                f"{self.num_blocks}", "max_tokens",
+            )
+        return params
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )

@@ -1,0 +1,53 @@
+"""The CPU backend: everything that makes eager serving on a CPU fast, in one place.
+
+- ``platform.py``: the ``cpu`` platform (KV cache bound by ``VLLM_CPU_KVCACHE_SPACE``,
+  eager by default, gloo for tensor parallelism);
+- ``linear.py``: linear weights packed in oneDNN's blocked layout, and a checkpoint's own
+  4-bit codes for small decode batches;
+- ``kernels.py`` and ``csrc/``: fused C++ kernels, built once per machine;
+- ``layer_ops.py``: the layer ops that call them;
+- ``host_memory.py``: allocator tuning for step temporaries.
+
+``prepare_model`` is the one entry point that readies a loaded model for eager CPU serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from server.hpu.cpu.kernels import load_cpu_kernels
+from server.hpu.cpu.layer_ops import FusedCpuLayerOps
+from server.hpu.cpu.linear import (
+    INT4_MAX_ROWS,
+    Int4Codes,
+    attach_int4_weights,
+    int4_supported,
+    pack_linear_layers,
+)
+from server.hpu.layer_ops import TorchLayerOps
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_model(model: torch.nn.Module, *, use_kernels: bool,
+                  int4_weights: Callable[[], Mapping[str, Int4Codes]] | None,
+                  cache_dir: Path) -> TorchLayerOps:
+    """oneDNN-packed linears; the checkpoint's 4-bit weights for small decode batches (when
+    ``int4_weights`` is given and the dtype allows); the fused kernels unless
+    ``use_kernels`` is false or they cannot be built. Returns the layer ops to run."""
+    dtype = next(model.parameters()).dtype
+    pack_linear_layers(model)
+    if int4_weights is not None and int4_supported(dtype):
+        attach_int4_weights(model, int4_weights(), INT4_MAX_ROWS, dtype)
+    if dtype not in FusedCpuLayerOps.dtypes:
+        logger.info("Fused CPU kernels serve float32 / bfloat16 only: %s runs PyTorch ops",
+                    str(dtype).replace("torch.", ""))
+        return TorchLayerOps()
+    if not use_kernels or not load_cpu_kernels(cache_dir / "kernels"):
+        return TorchLayerOps()
+    logger.info("Layer ops: fused CPU kernels (decode attention reads KV blocks in place)")
+    return FusedCpuLayerOps()

@@ -1,0 +1,85 @@
+"""Eager CPU layer ops: each fusable operation as one call into ``torch.ops.hpu_serve``.
+
+On CPU, per-op dispatch, not arithmetic, dominates small decode batches. The fused norms,
+RoPE and SiLU round exactly where the PyTorch expressions round, so both give the same bf16
+values; attention differs in the last bits only: the kernel keeps scores in fp32 where the
+flat path rounds them to the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from server.hpu.attention import AttentionMetadata
+from server.hpu.kv_cache import KVCache
+from server.hpu.layer_ops import Rope, TorchLayerOps
+
+
+class FusedCpuLayerOps(TorchLayerOps):
+    """Eager CPU backend: one kernel call per fused operation (needs the ops loaded by
+    ``server.hpu.cpu.kernels.load_cpu_kernels``)."""
+
+    name = "fused-cpu"
+    # Decode metadata: per-row block tables and lengths, read in place by the kernel.
+    decode_layout = "block_tables"
+    dtypes = (torch.float32, torch.bfloat16)  # what the kernels are compiled for
+
+    def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
+        """Keys transposed within each block, ``[blocks, Hkv, D, B]`` (see the kernels'
+        header): the same zero-filled memory, so this is only valid before any write."""
+        return [(k.view(k.shape[0], k.shape[1], k.shape[3], k.shape[2]), v)
+                for k, v in kv_caches]
+
+    def __init__(self) -> None:
+        ops = torch.ops.hpu_serve
+        self._rms_norm = ops.rms_norm.default
+        self._add_rms_norm = ops.add_rms_norm_.default
+        self._silu_and_mul = ops.silu_and_mul.default
+        self._rotary = ops.rotary_write_kv.default
+        self._attention = ops.decode_attention.default
+        self._argmax = ops.argmax.default
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x.contiguous(), weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual.contiguous()  # updated in place: the caller's copy is the stream
+        return self._add_rms_norm(residual, x.contiguous(), weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._silu_and_mul(x.contiguous())
+
+    def rotary_write_kv(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache,
+                        meta: AttentionMetadata, num_heads: int, num_kv_heads: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = qkv.contiguous()
+        tokens = qkv.shape[0]
+        cos, sin = rope
+        self._rotary(qkv, cos.view(tokens, -1), sin.view(tokens, -1), kv_cache[0], kv_cache[1],
+                     meta.slot_mapping, num_heads, num_kv_heads)
+        heads = qkv.view(tokens, num_heads + 2 * num_kv_heads, -1)
+        return (heads[:, :num_heads], heads[:, num_heads : num_heads + num_kv_heads],
+                heads[:, num_heads + num_kv_heads :])
+
+    # Up to this prompt length the paged kernel (one row per token, keys read from the
+    # cache just written) beats PyTorch's CPU flash attention. Measured on SmolLM2, whole
+    # prefill steps: 1.13x faster at 200 tokens, 1.14x at 512, 0.96x at 1000.
+    kernel_prompt_max = 768
+
+    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float
+                         ) -> torch.Tensor:
+        if meta.block_tables is None or query.shape[0] // bs > self.kernel_prompt_max:
+            return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale)
+        return self.decode_attention(query, kv_cache, meta, scale)
+
+    def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+        assert meta.block_tables is not None and meta.seq_lens is not None
+        return self._attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
+                               meta.seq_lens, scale)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        # PyTorch's CPU argmax is a scalar loop: 64 x 49k logits took 2.0 ms against 0.23.
+        return self._argmax(logits.contiguous())

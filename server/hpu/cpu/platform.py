@@ -1,0 +1,46 @@
+"""The ``cpu`` platform: serving from host memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.config import CacheConfig, DeviceConfig, ExecutionMode
+from server.hpu.layer_ops import TorchLayerOps
+from server.hpu.platform import Platform
+
+
+class CpuPlatform(Platform):
+    """Eager by default: with the fused kernels, oneDNN-packed linears and 4-bit codes, eager
+    decode steps measured 1.6-3.1x faster than compiled ones, which also cost seconds of
+    compilation per bucket (``--execution-mode compile`` opts in)."""
+
+    name = "cpu"
+    dist_backend = "gloo"
+    default_mode = ExecutionMode.EAGER
+
+    def kv_cache_budget_bytes(self, cache: CacheConfig) -> int:
+        # No "free device memory" to take a fraction of: an explicit bound instead.
+        return cache.cpu_kvcache_space_bytes
+
+    def prepare_process(self) -> None:
+        from server.hpu.cpu.host_memory import tune_host_allocator
+
+        tune_host_allocator()  # activations live in host memory: keep pages mapped
+
+    def prepare_model(self, model: torch.nn.Module, mode: ExecutionMode, cfg: DeviceConfig,
+                      int4_weights: Callable[[], Mapping[str, Any]] | None,
+                      cache_dir: Path) -> TorchLayerOps:
+        if mode is not ExecutionMode.EAGER:
+            return TorchLayerOps()  # compiled graphs use their own layouts and fusions
+        from server.hpu.cpu import prepare_model
+
+        return prepare_model(model, use_kernels=cfg.cpu_kernels, int4_weights=int4_weights,
+                             cache_dir=cache_dir)
+
+
+def cpu_plugin() -> CpuPlatform:
+    return CpuPlatform(torch.device("cpu"))

@@ -1,0 +1,91 @@
+"""The few fusable operations of a decoder layer, behind one interface.
+
+:class:`TorchLayerOps` is plain PyTorch with static shapes: every device, compiled graphs,
+the reference numerics. A platform may bring its own subclass (the CPU backend's fused
+kernels, ``server.hpu.cpu.layer_ops``); the model calls whichever it was given.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from server.hpu.attention import (
+    AttentionMetadata,
+    flat_paged_attention,
+    prompt_attention,
+    write_kv,
+)
+from server.hpu.kv_cache import KVCache
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D] in the model dtype
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on ``[T, H, D]``; queries and keys go through in one call."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class TorchLayerOps:
+    """Reference backend: PyTorch expressions only."""
+
+    name = "torch"
+    # Decode metadata this backend reads: the flat block list of vLLM's Gaudi backend.
+    decode_layout = "flat"
+
+    def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
+        """The engine's caches (``[blocks, Hkv, B, D]`` each) as this backend lays them out."""
+        return kv_caches
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, whatever the weight dtype.
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): a sublayer's residual add and the next
+        norm."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_write_kv(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache,
+                        meta: AttentionMetadata, num_heads: int, num_kv_heads: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv ``[T, (Hq + 2 Hkv) * D]`` -> rotated q ``[T, Hq, D]``, rotated k and v
+        ``[T, Hkv, D]``; k and v are written to their cache slots."""
+        tokens = qkv.shape[0]
+        heads = qkv.view(tokens, num_heads + 2 * num_kv_heads, -1)
+        # Queries and keys are rotated as one tensor: half the elementwise ops per layer.
+        qk = apply_rotary(heads[:, : num_heads + num_kv_heads], *rope)
+        query, key = qk[:, :num_heads], qk[:, num_heads:]
+        value = heads[:, num_heads + num_kv_heads :]
+        write_kv(kv_cache[0], kv_cache[1], key, value, meta)
+        return query, key, value
+
+    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float
+                         ) -> torch.Tensor:
+        """Causal attention of a right-padded prefill batch: q ``[bs * q, Hq, D]``, k / v
+        ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``."""
+        del kv_cache  # no context beyond the prompt itself: the fresh k / v suffice
+        tokens, heads, dim = query.shape
+        q_len = tokens // bs
+        out = prompt_attention(query.view(bs, q_len, heads, dim),
+                               key.view(bs, q_len, key.shape[1], dim),
+                               value.view(bs, q_len, value.shape[1], dim), scale)
+        return out.reshape(tokens, heads, dim)
+
+    def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+        return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy token per row of ``[B, V]`` logits (the first index on ties)."""
+        return logits.argmax(dim=-1)
