@@ -114,7 +114,7 @@ class MetricsTap:
 
     def observe(self, out: RequestOutput) -> None:
         m = self.metrics
-        new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
         if not self.started:
             self.started = True
             m.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -141,6 +141,18 @@ async def tapped(stream: AsyncIterator[RequestOutput], tap: MetricsTap
     finally:
         if not finished:  # the client left (or the engine failed): the request was aborted
             tap.metrics.request_success.labels(tap.metrics.model_name, "abort").inc()
+
+
+async def accumulate(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The whole result of a request from its stream of deltas (a non-streamed answer)."""
+    result: RequestOutput | None = None
+    async for out in stream:
+        if result is None:
+            result = out
+        else:
+            result.add(out)
+    assert result is not None, "an engine stream ends with a finished output"
+    return result
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]

@@ -21,6 +21,7 @@ from server.api.protocol import (
 from server.api.serving import (
     MetricsTap,
     ServingContext,
+    accumulate,
     build_sampling_params,
     check_model,
     created_now,
@@ -53,10 +54,7 @@ async def create_chat_completion(
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(ctx, stream, response_id, req.n, include_usage)
-    final: RequestOutput | None = None
-    async for out in stream:
-        final = out
-    assert final is not None
+    final = await accumulate(stream)
     choices = [
         ChatChoice(
             index=c.index,
@@ -91,14 +89,14 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
         for c in out.outputs:
             # Only completions that advanced this step; a finished one stays finished in
             # later outputs of an n > 1 request and must not be announced twice.
-            if not c.delta_token_ids:
+            if not c.token_ids:
                 continue
-            if not (c.delta_text or c.finish_reason or c.delta_logprobs):
+            if not (c.text or c.finish_reason or c.logprobs):
                 continue
             choices.append(ChatStreamChoice(
                 index=c.index,
-                delta=DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage(),
-                logprobs=_logprobs(ctx, c.delta_logprobs) if c.delta_logprobs else None,
+                delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                logprobs=_logprobs(ctx, c.logprobs) if c.logprobs else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             ))

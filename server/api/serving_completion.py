@@ -62,7 +62,10 @@ async def create_completion(
         return _stream(ctx, streams, response_id, req, include_usage)
     finals: dict[int, RequestOutput] = {}
     async for i, out in merge(streams):
-        finals[i] = out
+        if i in finals:
+            finals[i].add(out)
+        else:
+            finals[i] = out
     choices = []
     for i in range(len(prompts)):
         out = finals[i]
@@ -99,17 +102,17 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
         choices = []
         for c in out.outputs:
             index = i * req.n + c.index
-            text = c.delta_text
+            text = c.text
             if req.echo and index not in echoed:
                 echoed.add(index)
                 text = _echo_text(ctx, out) + text
-            if not c.delta_token_ids or not (text or c.finish_reason or c.delta_logprobs):
+            if not c.token_ids or not (text or c.finish_reason or c.logprobs):
                 continue
             offset = offsets.get(index, 0)
-            offsets[index] = offset + len(c.delta_text)
+            offsets[index] = offset + len(c.text)
             choices.append(CompletionChoice(
                 index=index, text=text,
-                logprobs=_logprobs(ctx, c.delta_logprobs, offset) if c.delta_logprobs else None,
+                logprobs=_logprobs(ctx, c.logprobs, offset) if c.logprobs else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             ))
         if choices:

@@ -48,7 +48,7 @@ class InputProcessor:
         return RequestState(
             request_id, prompt_text, prompt_ids, params, seqs,
             [self._detokenizer(prompt_ids, params) for _ in seqs],
-            [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+            [CompletionOutput(i, logprobs=None if params.logprobs is None else [])
              for i in range(params.n)],
             RequestMetrics(arrival_time=now),
         )

@@ -38,7 +38,8 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in the order given."""
+        """One finished RequestOutput per prompt, in the order given: each step's deltas
+        accumulated into whole completions."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         request_ids = []
@@ -46,17 +47,19 @@ class LLM:
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, prompt, p)
             request_ids.append(request_id)
-        finished: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput] = {}
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+                    if out.request_id in results:
+                        results[out.request_id].add(out)
+                    else:
+                        results[out.request_id] = out
         finally:
             for request_id in request_ids:
-                if request_id not in finished:
+                if request_id not in results or not results[request_id].finished:
                     self.engine.abort_request(request_id)
-        return [finished[r] for r in request_ids]
+        return [results[r] for r in request_ids]
 
     def chat(
         self,

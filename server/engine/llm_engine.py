@@ -15,7 +15,7 @@ from server.engine.block_manager import BlockManager
 from server.engine.errors import EngineFaultError, RequestError
 from server.engine.input_processor import InputProcessor
 from server.engine.model_runner import ModelRunner
-from server.engine.output_processor import OutputProcessor, RequestState
+from server.engine.output_processor import OutputProcessor, ProcessedStep, RequestState
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerLimits
@@ -148,7 +148,15 @@ class LLMEngine:
         except Exception as exc:
             return self._isolate_failure(batch, exc)
         self._failed_steps = 0
-        return self.output_processor.process(batch, result, self.scheduler)
+        return self._retire(self.output_processor.process(batch, result))
+
+    def _retire(self, processed: ProcessedStep) -> list[RequestOutput]:
+        """Frees what the step finished: stopped sequences, and failed requests whole."""
+        for seq in processed.finished:
+            self.scheduler.finish(seq)
+        for request_id in processed.failed:
+            self.scheduler.abort(request_id)
+        return processed.outputs
 
     def _isolate_failure(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         """A step raised: run each request of the batch on its own, so that a fault tied to
@@ -170,7 +178,7 @@ class LLMEngine:
                     error = sub_exc
                 else:
                     succeeded = True
-                    outputs += self.output_processor.process(sub, result, self.scheduler)
+                    outputs += self._retire(self.output_processor.process(sub, result))
                     continue
             self.scheduler.abort(request_id)
             failure = self.output_processor.fail(request_id, error)

@@ -10,7 +10,6 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.model_runner import ModelRunnerOutput
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import Scheduler
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.engine.tokenizer import Tokenizer
 
@@ -19,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class RequestState:
-    """A request's sequences and the per-completion output being built."""
+    """A request's sequences and what this step added to each of its completions."""
 
     request_id: str
     prompt: str | None
@@ -27,25 +26,36 @@ class RequestState:
     params: SamplingParams
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
-    completions: list[CompletionOutput]
+    # this step's delta per completion; handed out by take_output, then started afresh
+    deltas: list[CompletionOutput]
     metrics: RequestMetrics
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        return all(d.finished for d in self.deltas)
 
-    def output(self) -> RequestOutput:
-        """A snapshot: the engine keeps mutating its own objects on later steps."""
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids,
-            [_snapshot(c) for c in self.completions], self.finished, replace(self.metrics),
+    def take_output(self) -> RequestOutput:
+        """This step's output. The caller owns it: later steps write to new deltas (the
+        finish state carries over), so nothing is copied, whatever the output's length."""
+        out = RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, self.deltas, self.finished,
+            replace(self.metrics), sum(s.num_output_tokens for s in self.seqs),
         )
+        self.deltas = [
+            CompletionOutput(d.index, logprobs=None if d.logprobs is None else [],
+                             finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+            for d in self.deltas
+        ]
+        return out
 
-    def clear_deltas(self) -> None:
-        for c in self.completions:
-            c.delta_text = ""
-            c.delta_token_ids = []
-            c.delta_logprobs = [] if c.logprobs is not None else None
+
+@dataclass(slots=True)
+class ProcessedStep:
+    """A step's outputs, and what the scheduler must retire because of it."""
+
+    outputs: list[RequestOutput]
+    finished: list[Sequence]  # sequences that stopped this step
+    failed: list[str]  # requests whose processing raised (already answered with an error)
 
 
 class OutputProcessor:
@@ -60,18 +70,16 @@ class OutputProcessor:
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
 
-    def process(
-        self, batch: ScheduledBatch, result: ModelRunnerOutput, scheduler: Scheduler
-    ) -> list[RequestOutput]:
+    def process(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> ProcessedStep:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         failed: dict[str, BaseException] = {}
+        finished: list[Sequence] = []
         for seq, token_id, logprob in zip(batch.seqs, result.token_ids, result.logprobs):
             if seq.request_id in failed:
                 continue
             state = self.requests[seq.request_id]
             if seq.request_id not in touched:
-                state.clear_deltas()
                 touched[seq.request_id] = state
                 state.metrics.last_token_time = now
                 if state.metrics.first_token_time is None:
@@ -82,11 +90,10 @@ class OutputProcessor:
                 failed[seq.request_id] = exc
                 continue
             if seq.finish_reason is not None:
-                scheduler.finish(seq)
+                finished.append(seq)
         outputs = []
         for request_id, exc in failed.items():
             del touched[request_id]
-            scheduler.abort(request_id)
             failure = self.fail(request_id, exc)
             if failure is not None:
                 outputs.append(failure)
@@ -94,20 +101,19 @@ class OutputProcessor:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[state.request_id]
-            outputs.append(state.output())
-        return outputs
+            outputs.append(state.take_output())
+        return ProcessedStep(outputs, finished, list(failed))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Marks every unfinished completion of a request aborted; returns its last output."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        state.clear_deltas()
-        for completion in state.completions:
-            if not completion.finished:
-                completion.finish_reason = "abort"
+        for delta in state.deltas:
+            if not delta.finished:
+                delta.finish_reason = "abort"
         state.metrics.finished_time = time.monotonic()
-        return state.output()
+        return state.take_output()
 
     def fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
         """Ends a request whose own processing raised (the caller frees its sequences):
@@ -122,31 +128,27 @@ class OutputProcessor:
         self, state: RequestState, seq: Sequence, token_id: int, logprob: TokenLogprob | None
     ) -> None:
         params = state.params
-        completion = state.completions[seq.index]
+        delta = state.deltas[seq.index]
         seq.output_token_ids.append(token_id)
-        completion.token_ids.append(token_id)
-        completion.delta_token_ids.append(token_id)
-        if logprob is not None and completion.logprobs is not None:
-            completion.logprobs.append(logprob)
-            assert completion.delta_logprobs is not None
-            completion.delta_logprobs.append(logprob)
+        delta.token_ids.append(token_id)
+        if logprob is not None and delta.logprobs is not None:
+            delta.logprobs.append(logprob)
         detok = state.detokenizers[seq.index]
         reason, stop_reason = self._stop_by_token(seq, token_id, params)
-        delta = ""
+        text = ""
         if reason is None:
             # EOS / stop token ids never reach the text.
             update = detok.update([token_id])
-            delta = update.delta_text
+            text = update.delta_text
             if update.stop_string is not None:
                 reason, stop_reason = "stop", update.stop_string
         if reason is None and self._at_length_limit(seq, params):
             reason = "length"
         if reason is not None:
-            delta += detok.flush()  # text held back in case it began a stop string
-            seq.finish_reason = completion.finish_reason = reason
-            seq.stop_reason = completion.stop_reason = stop_reason
-        completion.delta_text += delta
-        completion.text += delta
+            text += detok.flush()  # text held back in case it began a stop string
+            seq.finish_reason = delta.finish_reason = reason
+            seq.stop_reason = delta.stop_reason = stop_reason
+        delta.text += text
 
     def _stop_by_token(
         self, seq: Sequence, token_id: int, params: SamplingParams
@@ -164,12 +166,3 @@ class OutputProcessor:
             return True
         return seq.num_tokens >= self.max_model_len
 
-
-def _snapshot(c: CompletionOutput) -> CompletionOutput:
-    return replace(
-        c,
-        token_ids=list(c.token_ids),
-        logprobs=list(c.logprobs) if c.logprobs is not None else None,
-        delta_token_ids=list(c.delta_token_ids),
-        delta_logprobs=list(c.delta_logprobs) if c.delta_logprobs is not None else None,
-    )

@@ -1,4 +1,4 @@
-"""What leaves the engine: per-request outputs (cumulative plus the last step's delta)."""
+"""What leaves the engine: per-request outputs, as deltas of each step."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ class TokenLogprob:
 class CompletionOutput:
     """One of the ``n`` completions of a request.
 
-    ``text``/``token_ids``/``logprobs`` are cumulative; the ``delta_*`` fields hold what this
-    step added, which is what a streaming client needs. Text that might still turn out to be
-    the start of a stop string is held back until it can't be.
+    In the outputs of an engine step, ``text`` / ``token_ids`` / ``logprobs`` hold what that
+    step added (a streaming client's delta); :meth:`RequestOutput.add` accumulates them into
+    the whole completion. Text that might still turn out to be the start of a stop string
+    is held back until it can't be.
     """
 
     index: int
@@ -34,13 +35,21 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     # the stop string or stop token id that ended it (None for EOS / length)
     stop_reason: str | int | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def add(self, delta: CompletionOutput) -> None:
+        """Appends a later step's delta of the same completion."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
 
 
 @dataclass(slots=True)
@@ -57,7 +66,8 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Everything a caller learns about one request after an engine step."""
+    """What a caller learns about one request after an engine step: each completion's delta
+    (every completion is listed, with an empty delta where it did not advance)."""
 
     request_id: str
     prompt: str | None
@@ -65,10 +75,18 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # Tokens generated so far over all completions (for usage; not a delta).
+    num_generated_tokens: int = 0
     # Set when the request ended because of a fault in its own processing (the engine
     # logged the traceback); its completions then end with finish_reason "abort".
     error: str | None = None
 
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
+    def add(self, later: RequestOutput) -> None:
+        """Accumulates a later step's output of the same request (what non-streaming
+        callers do): texts and token lists grow, the rest is replaced."""
+        for completion, delta in zip(self.outputs, later.outputs):
+            completion.add(delta)
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.num_generated_tokens = later.num_generated_tokens
+        self.error = later.error

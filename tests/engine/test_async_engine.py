@@ -53,8 +53,8 @@ def test_streams_abort_and_loop_stays_responsive(engine_config) -> None:
             text = ""
             reason = ""
             async for out in stream:
-                tokens += out.outputs[0].delta_token_ids
-                text += out.outputs[0].delta_text
+                tokens += out.outputs[0].token_ids
+                text += out.outputs[0].text
                 reason = out.outputs[0].finish_reason or ""
             return tokens, text, reason
 
@@ -69,7 +69,7 @@ def test_streams_abort_and_loop_stays_responsive(engine_config) -> None:
         stream = await engine.submit("early", "the quick brown fox",
                                      SamplingParams(max_tokens=200, ignore_eos=True))
         async for out in stream:
-            if len(out.outputs[0].token_ids) >= 3:
+            if out.num_generated_tokens >= 3:
                 break
         for _ in range(200):
             stats = engine.stats()
@@ -117,7 +117,7 @@ def test_load_warmup_and_steps_run_on_one_engine_thread(engine_config) -> None:
                                                                      ignore_eos=True))
         text = [out async for out in stream]
         await engine.shutdown()
-        return text[-1].outputs[0].token_ids
+        return [t for out in text for t in out.outputs[0].token_ids]
 
     assert len(asyncio.run(main())) == 4
     assert len(threads) >= 6 and set(threads) == {threads[0]}
@@ -143,7 +143,7 @@ def test_submitted_requests_count_as_waiting_before_the_engine_sees_them(engine_
         gate.set()
         busy.join()
         for stream in streams:
-            assert len([out async for out in stream][-1].outputs[0].token_ids) == 3
+            assert [out async for out in stream][-1].num_generated_tokens == 3
         drained = engine.stats().num_waiting
         await engine.shutdown()
         return queued, after_refusal, drained

@@ -29,12 +29,15 @@ def engine(tiny_model) -> LLMEngine:
 def run_all(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict:
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, PARAMS)
-    finals = {}
+    results: dict = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
+            if out.request_id in results:
+                results[out.request_id].add(out)
+            else:
+                results[out.request_id] = out
+    assert all(out.finished for out in results.values())
+    return results
 
 
 def poison_runner(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,7 +81,8 @@ def test_output_processing_fault_ends_only_its_request(engine: LLMEngine, monkey
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert finals["y"].error is not None and "UnicodeDecodeError" in finals["y"].error
-    assert finals["x"].error is None and len(finals["x"].outputs[0].token_ids) == 8
+    assert finals["x"].error is None
+    assert finals["x"].num_generated_tokens == 8
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
@@ -106,7 +110,7 @@ def test_async_engine_reports_request_failure_and_death(tiny_model, monkeypatch)
     async def collect(request_id: str, prompt: list[int]) -> list[int] | BaseException:
         try:
             stream = await engine.submit(request_id, prompt, PARAMS)
-            return [t for out in [o async for o in stream] for t in out.outputs[0].delta_token_ids]
+            return [t for out in [o async for o in stream] for t in out.outputs[0].token_ids]
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             return exc
 

@@ -138,14 +138,17 @@ def test_kv_accounting_with_aborts_and_preemption(tiny_model) -> None:
               for _ in prompts]
     to_abort = set(rng.sample(range(100), 15))
     completed: dict[str, list[int]] = {}
+    generated: dict[str, list[int]] = {}
     aborted_ids: set[str] = set()
     for i, (p, sp) in enumerate(zip(prompts, params)):
         small.add_request(str(i), p, sp)
     steps = 0
     while small.has_unfinished_requests():
         for out in small.step():
+            tokens = generated.setdefault(out.request_id, [])
+            tokens += out.outputs[0].token_ids  # each step's delta
             if out.finished:
-                completed[out.request_id] = out.outputs[0].token_ids
+                completed[out.request_id] = tokens
         steps += 1
         if steps % 7 == 0 and to_abort:  # abort mid-way, wherever the request is
             victim = str(to_abort.pop())
