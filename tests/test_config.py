@@ -18,11 +18,14 @@ def test_vllm_flags_and_env_knobs() -> None:
          "--served-model-name", "my-model", "--max-num-batched-tokens", "8192"],
         {"VLLM_CPU_KVCACHE_SPACE": "2"},
     )
-    assert cfg.model.model == "/models/x" and cfg.model.dtype == "float32"
+    assert cfg.model.model == "/models/x"
+    assert cfg.model.dtype == "float32"
     assert cfg.model.served_model_name == "my-model"
-    assert cfg.scheduler.max_num_seqs == 64 and cfg.scheduler.max_model_len == 4096
+    assert cfg.scheduler.max_num_seqs == 64
+    assert cfg.scheduler.max_model_len == 4096
     assert cfg.scheduler.max_num_batched_tokens == 8192
-    assert cfg.cache.block_size == 64 and cfg.cache.gpu_memory_utilization == 0.5
+    assert cfg.cache.block_size == 64
+    assert cfg.cache.gpu_memory_utilization == 0.5
     assert cfg.cache.cpu_kvcache_space_bytes == 2 * GiB
     assert cfg.device.enforce_eager
 
@@ -30,7 +33,8 @@ def test_vllm_flags_and_env_knobs() -> None:
 def test_defaults_follow_the_reference() -> None:
     cfg = parse([])
     assert cfg.model.model is None  # the embedded default model
-    assert cfg.cache.block_size == 128 and cfg.scheduler.max_num_seqs == 256
+    assert cfg.cache.block_size == 128
+    assert cfg.scheduler.max_num_seqs == 256
     assert cfg.cache.cpu_kvcache_space_bytes == 4 * GiB
 
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -12,10 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI and vLLM do; known fields are type-checked.
     model_config = ConfigDict(extra="ignore")
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:
@@ -217,6 +212,3 @@ class ErrorInfo(BaseModel):
 class ErrorResponse(BaseModel):
     error: ErrorInfo
 
-
-def dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(exclude_none=False)

@@ -78,15 +78,3 @@ class SamplingParams(BaseModel):
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         return self
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
-    @property
-    def max_stop_len(self) -> int:
-        return max((len(s) for s in self.stop), default=0)

@@ -80,7 +80,3 @@ class ScheduledBatch:
     seqs: list[Sequence]
     # sequences pushed back to the waiting queue this step to free KV blocks
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)

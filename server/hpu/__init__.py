@@ -1,4 +1,6 @@
-"""Device layer: platform detection, paged attention ops and KV cache tensors.
+"""Device layer: platforms, graph runners, bucketing and warmup, paged attention, KV cache
+tensors, and each platform's backend (``cpu/``, ``cuda.py``, ``gaudi.py``).
 
-Knows nothing of HTTP or of the engine's request types.
+Owns: everything that depends on the device. May import: ``server.config`` and itself.
+Knows nothing of HTTP, requests, sequences or models' weights formats.
 """

@@ -22,10 +22,21 @@ GiB = float(1 << 30)
 _LABELS = {Phase.PROMPT: "Prompt", Phase.DECODE: "Decode"}
 
 # (temperature, top_p, top_k): the six sampler configurations of the reference, which runs
-# each with batch_changed True and False. Our sampler keeps no state between batches, so
-# both variants run the same code: they are logged as the reference logs them, run once.
+# each with batch_changed True and False. They are logged as the reference logs them, but
+# only configurations that take different code paths run: our sampler keeps no state
+# between batches (batch_changed changes nothing), and its branches depend only on
+# greedy / top-p / top-k being in use, not on their values.
 SAMPLER_CONFIGS = ((0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 50), (0.3, 0.95, 20),
                    (1.2, 0.8, 100), (0.8, 0.85, 0))
+
+
+def distinct_sampler_paths(configs: Sequence[tuple[float, float, int]]
+                           ) -> list[tuple[float, float, int]]:
+    """The first configuration of each (greedy, top-p, top-k) combination."""
+    paths: dict[tuple[bool, bool, bool], tuple[float, float, int]] = {}
+    for temp, top_p, top_k in configs:
+        paths.setdefault((temp == 0.0, top_p < 1.0, top_k > 0), (temp, top_p, top_k))
+    return list(paths.values())
 
 
 @dataclass(slots=True)
@@ -126,6 +137,6 @@ def _warm_sampler(buckets: dict[Phase, Sequence[Bucket]], hooks: WarmupHooks) ->
                         changed)
     logger.info("Starting sampler warmup...")
     for bs in sizes:
-        for config in SAMPLER_CONFIGS:
+        for config in distinct_sampler_paths(SAMPLER_CONFIGS):
             hooks.run_sampler(bs, config)
     logger.info("Sampler warmup completed successfully")

@@ -37,7 +37,8 @@ def engine_up(client: TestClient) -> float:
     text = client.get("/metrics").text
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "hpu_serve:engine_up"]
-    assert len(samples) == 1 and samples[0].labels == {"model_name": "m"}
+    assert len(samples) == 1
+    assert samples[0].labels == {"model_name": "m"}
     return samples[0].value
 
 
@@ -45,8 +46,10 @@ def test_engine_death_turns_health_503_and_engine_up_0() -> None:
     engine = FakeEngine()
     app = build_app(engine, ServerConfig())
     with TestClient(app) as client:
-        assert client.get("/health").status_code == 200 and engine_up(client) == 1.0
+        assert client.get("/health").status_code == 200
+        assert engine_up(client) == 1.0
         engine.is_alive = False
         resp = client.get("/health")
-        assert resp.status_code == 503 and "engine" in resp.json()["error"]["message"]
+        assert resp.status_code == 503
+        assert "engine" in resp.json()["error"]["message"]
         assert engine_up(client) == 0.0

@@ -26,7 +26,8 @@ def test_port_closed_until_engine_ready(tiny_model, start_server_fn, tiny_flags)
             time.sleep(0.02)
         # The first moment anything listens, the engine is loaded and healthy.
         log = srv.log()
-        assert "Loaded " in log and "KV cache:" in log
+        assert "Loaded " in log
+        assert "KV cache:" in log
         assert httpx.get(srv.base_url + "/health").status_code == 200
     finally:
         assert srv.stop() == 0
@@ -37,7 +38,8 @@ def test_api_key_protects_v1_only(tiny_model, start_server_fn, tiny_flags) -> No
     try:
         url = srv.base_url + "/v1/models"
         missing = httpx.get(url)
-        assert missing.status_code == 401 and missing.json()["error"]["code"] == 401
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == 401
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer sekret"}).status_code == 200
         for open_path in ("/health", "/metrics", "/version"):

@@ -19,10 +19,13 @@ def test_models_list(client, model_name: str) -> None:
 def test_chat_non_streaming_fields(client, model_name: str) -> None:
     resp = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=7,
                                           temperature=0, extra_body={"ignore_eos": True})
-    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
-    assert resp.model == model_name and resp.created > 0
+    assert resp.object == "chat.completion"
+    assert resp.id.startswith("chatcmpl-")
+    assert resp.model == model_name
+    assert resp.created > 0
     choice = resp.choices[0]
-    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "length"
     assert resp.usage.completion_tokens == 7
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 7
 
@@ -38,7 +41,8 @@ def test_chat_streaming_equals_non_streaming(client, model_name: str) -> None:
     assert text == full
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 12
 
 
 def test_chat_n_seed_and_logprobs(client, model_name: str) -> None:
@@ -52,7 +56,8 @@ def test_chat_n_seed_and_logprobs(client, model_name: str) -> None:
         entries = choice.logprobs.content
         assert len(entries) == 6
         for e in entries:
-            assert e.logprob <= 0 and len(e.top_logprobs) == 3
+            assert e.logprob <= 0
+            assert len(e.top_logprobs) == 3
             assert e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
     assert a.usage.completion_tokens == 12
 
@@ -71,8 +76,10 @@ def test_completions_batch_echo_stop_and_logprobs(client, model_name: str) -> No
     lp = client.completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=4,
                                    temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     logprobs = lp.choices[0].logprobs
-    assert len(logprobs.tokens) == 4 and len(logprobs.token_logprobs) == 4
-    assert all(len(t) <= 2 for t in logprobs.top_logprobs) and logprobs.text_offset[0] == 0
+    assert len(logprobs.tokens) == 4
+    assert len(logprobs.token_logprobs) == 4
+    assert all(len(t) <= 2 for t in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
     ids = client.completions.create(model=model_name, prompt="the quick", max_tokens=4,
                                     temperature=0, extra_body={"ignore_eos": True,
                                                                "stop_token_ids": [2]})

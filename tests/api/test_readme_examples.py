@@ -29,7 +29,8 @@ def test_curl_examples(server, index: int) -> None:
         assert json.loads(events[-2])["usage"]["completion_tokens"] > 0
     else:
         body = json.loads(out.stdout)
-        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"]
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["role"]
 
 
 def test_openai_sdk_example(server) -> None:

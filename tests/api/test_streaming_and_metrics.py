@@ -80,7 +80,8 @@ def test_disconnect_mid_stream_frees_blocks(server) -> None:
             break
         time.sleep(0.1)
     m = scrape(server)
-    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert m["vllm:num_requests_running"] == 0
+    assert m["vllm:num_requests_waiting"] == 0
     assert m["vllm:kv_cache_usage_perc"] == 0.0
     assert m["vllm:request_success_total{finished_reason=abort}"] >= 1
 

@@ -45,14 +45,16 @@ def test_bench_reports_what_the_server_counted(tiny_model, bench_server, tmp_pat
                          "--warmup-requests", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Output token throughput (tok/s):" in proc.stdout
-    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["completed"] == 12
+    assert result["failed"] == 0
     # ignore_eos: every request generates exactly output-len tokens, as the server counted
     assert result["output_tokens"] == 12 * 10
     assert counter(url, "vllm:generation_tokens_total") - before == 12 * 10
     assert result["per_request"]["output_tokens"] == [10] * 12
     assert result["model"] == "SmolLM2-135M-Instruct"  # discovered from /v1/models
     assert 0 < result["ttft_ms"]["p50"] <= result["e2e_ms"]["p50"]
-    assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["p99"] >= result["itl_ms"]["p50"]
+    assert result["tpot_ms"]["mean"] > 0
+    assert result["itl_ms"]["p99"] >= result["itl_ms"]["p50"]
     assert result["output_throughput"] == pytest.approx(120 / result["duration_s"])
 
 
@@ -60,5 +62,6 @@ def test_bench_counts_failures_and_exits_nonzero(tiny_model, bench_server, tmp_p
     proc, result = bench(tiny_model, bench_server.base_url, tmp_path, "--model", "x",
                          "--warmup-requests", "0", "--api-key", "wrong")
     assert proc.returncode == 1
-    assert result["completed"] == 0 and result["failed"] == 12
+    assert result["completed"] == 0
+    assert result["failed"] == 12
     assert any("HTTP 401" in e for e in result["errors"])

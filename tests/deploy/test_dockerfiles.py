@@ -24,7 +24,9 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python\nRUN pip install flask\n")
     out = hadolint(bad)
-    assert out.returncode != 0 and "DL3006" in out.stdout and "DL3013" in out.stdout
+    assert out.returncode != 0
+    assert "DL3006" in out.stdout
+    assert "DL3013" in out.stdout
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -49,16 +51,19 @@ def test_image_contract(dockerfile: Path) -> None:
 
 def test_hpu_image_keeps_the_vendor_torch() -> None:
     text = (ROOT / "deploy" / "docker" / "Dockerfile.hpu").read_text()
-    assert "vault.habana.ai/gaudi-docker/" in text and "pytorch-installer" in text
+    assert "vault.habana.ai/gaudi-docker/" in text
+    assert "pytorch-installer" in text
     # the project is installed under a constraint pinning the image's torch build
-    assert "--constraint /tmp/vendor.txt ." in text and "torch" in text
+    assert "--constraint /tmp/vendor.txt ." in text
+    assert "torch" in text
     assert not re.search(r"pip install[^\n]*\btorch==", text)
     assert "PT_HPU_RECIPE_CACHE_CONFIG=/cache/" in text
 
 
 def test_cpu_image_pins_a_cpu_torch() -> None:
     text = (ROOT / "deploy" / "docker" / "Dockerfile.cpu").read_text()
-    assert "download.pytorch.org/whl/cpu" in text and "torch==${TORCH_VERSION}" in text
+    assert "download.pytorch.org/whl/cpu" in text
+    assert "torch==${TORCH_VERSION}" in text
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     pinned = re.search(r"torch==([\d.]+)", setup).group(1)
     assert f"ARG TORCH_VERSION={pinned}" in text  # the version the test suite runs on

@@ -52,7 +52,8 @@ def env_of(docs: dict[str, dict]) -> dict[str, object]:
 def test_lint_is_clean() -> None:
     result = helm.lint(str(CHART))
     assert result["total_charts_linted"] == 1
-    assert result["errors"] == [] and result["messages"] == []
+    assert result["errors"] == []
+    assert result["messages"] == []
 
 
 def test_every_manifest_is_valid_kubernetes(rendered) -> None:
@@ -79,7 +80,8 @@ def test_probes_and_security(rendered) -> None:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     port = c["ports"][0]
-    assert port["name"] == "http" and port["containerPort"] == values.get(
+    assert port["name"] == "http"
+    assert port["containerPort"] == values.get(
         "service", {}).get("port", 8000)
     assert c["args"][c["args"].index("--port") + 1] == str(port["containerPort"])
     pod = docs["Deployment"]["spec"]["template"]["spec"]
@@ -97,7 +99,8 @@ def test_gaudi_resource_only_on_hpu(rendered) -> None:
     c = container(docs)
     limits = c["resources"].get("limits", {})
     if name == "cpu":
-        assert "habana.ai/gaudi" not in limits and "VLLM_CPU_KVCACHE_SPACE" in env_of(docs)
+        assert "habana.ai/gaudi" not in limits
+        assert "VLLM_CPU_KVCACHE_SPACE" in env_of(docs)
         assert "HABANA_VISIBLE_DEVICES" not in env_of(docs)
     else:
         cards = load_values(name).get("gaudi", {}).get("cards", 1)
@@ -118,7 +121,8 @@ def test_all_on_values_reach_the_daemon() -> None:
              "--dtype": "bfloat16", "--execution-mode": "graphs", "--max-waiting-requests": "512"}
     for flag, value in flags.items():
         assert args[args.index(flag) + 1] == value, flag
-    assert "--enforce-eager" in args and args[-2:] == ["--seed", "7"]
+    assert "--enforce-eager" in args
+    assert args[-2:] == ["--seed", "7"]
     # every warmup / graph-memory / bucketing knob, under vLLM's names
     knobs = {"VLLM_SKIP_WARMUP": "false", "VLLM_GRAPH_RESERVED_MEM": "0.2",
              "VLLM_GRAPH_PROMPT_RATIO": "0.5", "VLLM_GRAPH_PROMPT_STRATEGY": "max_bs",
@@ -143,7 +147,9 @@ def test_all_on_values_reach_the_daemon() -> None:
     assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "model-weights",
                                                           "readOnly": True}
     assert volumes["cache"]["persistentVolumeClaim"]["claimName"] == "hpu-recipe-cache"
-    assert pod["nodeSelector"] and pod["tolerations"] and pod["affinity"]
+    assert pod["nodeSelector"]
+    assert pod["tolerations"]
+    assert pod["affinity"]
     assert "replicas" not in docs["Deployment"]["spec"]  # the HPA owns it
     metric = docs["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert metric == "vllm_num_requests_waiting"

@@ -83,7 +83,8 @@ def check(expr: str, exposed: dict[str, set[str]]) -> list[str]:
 def test_alert_rules_are_well_formed() -> None:
     names = set()
     for rule in rules():
-        assert rule["alert"].startswith("HpuServe") and rule["alert"] not in names
+        assert rule["alert"].startswith("HpuServe")
+        assert rule["alert"] not in names
         names.add(rule["alert"])
         promql_parser.parse(rule["expr"])  # raises on a syntax error
         assert rule["labels"]["severity"] in ("info", "warning", "critical")

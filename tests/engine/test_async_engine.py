@@ -62,7 +62,9 @@ def test_streams_abort_and_loop_stays_responsive(engine_config) -> None:
         results = await asyncio.gather(*(collect(f"r{i}") for i in range(6)))
         elapsed = time.monotonic() - started
         for tokens, text, reason in results:
-            assert tokens == results[0][0] and len(tokens) == 40 and reason == "length"
+            assert tokens == results[0][0]
+            assert len(tokens) == 40
+            assert reason == "length"
             assert text == engine.tokenizer.decode(tokens)
 
         # leaving a stream early aborts the request and frees its blocks
@@ -77,14 +79,16 @@ def test_streams_abort_and_loop_stays_responsive(engine_config) -> None:
                 break
             await asyncio.sleep(0.01)
         stats = engine.stats()
-        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+        assert stats.num_running == 0
+        assert stats.num_free_blocks == stats.num_blocks
 
         with pytest.raises(RequestError):
             await engine.submit("bad", [], params)
         tick_task.cancel()
         # the event loop kept running while the model computed
         assert elapsed > 0.4  # 40+ steps of 10 ms
-        assert ticks > elapsed / 0.005 / 4 and longest_gap < 0.1
+        assert ticks > elapsed / 0.005 / 4
+        assert longest_gap < 0.1
         assert engine.is_alive
         await engine.shutdown()
 
@@ -120,7 +124,8 @@ def test_load_warmup_and_steps_run_on_one_engine_thread(engine_config) -> None:
         return [t for out in text for t in out.outputs[0].token_ids]
 
     assert len(asyncio.run(main())) == 4
-    assert len(threads) >= 6 and set(threads) == {threads[0]}
+    assert len(threads) >= 6
+    assert set(threads) == {threads[0]}
     assert threads[0] != threading.get_ident()
 
 

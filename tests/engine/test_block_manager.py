@@ -18,7 +18,8 @@ def test_allocate_append_free_roundtrip() -> None:
     seq = make_seq(0, 5)
     assert bm.can_allocate(5)
     bm.allocate(seq)
-    assert len(seq.block_table) == 2 and bm.num_free_blocks == 2
+    assert len(seq.block_table) == 2
+    assert bm.num_free_blocks == 2
     # tokens 5..8 fit in the second block; the 9th token needs a third
     for _ in range(3):
         seq.output_token_ids.append(1)
@@ -27,9 +28,11 @@ def test_allocate_append_free_roundtrip() -> None:
         assert len(seq.block_table) == 2
     seq.output_token_ids.append(1)
     bm.append_slot(seq)
-    assert len(seq.block_table) == 3 and bm.num_free_blocks == 1
+    assert len(seq.block_table) == 3
+    assert bm.num_free_blocks == 1
     bm.free(seq)
-    assert seq.block_table == [] and bm.num_free_blocks == 4
+    assert seq.block_table == []
+    assert bm.num_free_blocks == 4
     assert bm.usage == 0.0
 
 
@@ -39,7 +42,8 @@ def test_pad_block_is_never_handed_out() -> None:
     for seq in seqs:
         bm.allocate(seq)
     handed = {b for s in seqs for b in s.block_table}
-    assert handed == {0, 1, 2} and bm.pad_block_id == 3
+    assert handed == {0, 1, 2}
+    assert bm.pad_block_id == 3
     assert not bm.can_allocate(1)
     with pytest.raises(RuntimeError):
         bm.allocate(make_seq(9, 1))

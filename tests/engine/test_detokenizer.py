@@ -107,7 +107,8 @@ def test_multibyte_characters_split_over_tokens(tokenizer: Tokenizer) -> None:
     # The case is really exercised: some tokens hold only part of a character.
     assert any("\ufffd" in tokenizer.token_str(i) for i in ids)
     deltas, rest, _ = stream(tokenizer, [], ids)
-    assert "".join(deltas) == tokenizer.decode(ids) and rest == ""
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert rest == ""
     for ch in "𝄞ж∮🦀":
         # each came out whole, with the token that carried its last byte
         assert any(d.endswith(ch) for d in deltas)
@@ -119,7 +120,8 @@ def test_unfinished_character_waits_then_flushes(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode(cut).endswith("\ufffd")
     deltas, rest, _ = stream(tokenizer, [], cut)
     assert "\ufffd" not in "".join(deltas)
-    assert "".join(deltas) + rest == tokenizer.decode(cut) and rest.endswith("\ufffd")
+    assert "".join(deltas) + rest == tokenizer.decode(cut)
+    assert rest.endswith("\ufffd")
 
 
 def test_leading_spaces_survive(tokenizer: Tokenizer) -> None:
@@ -140,7 +142,8 @@ def test_decodes_only_a_small_window(tokenizer: Tokenizer) -> None:
     prompt = tokenizer.encode("a long prompt " * 50, add_special_tokens=False)
     ids = tokenizer.encode(" ".join(TEXTS) * 12, add_special_tokens=False)
     deltas, rest, _ = stream(recording, prompt, ids)
-    assert len(ids) > 200 and "".join(deltas) + rest == generated_text(tokenizer, prompt, ids)
+    assert len(ids) > 200
+    assert "".join(deltas) + rest == generated_text(tokenizer, prompt, ids)
     assert max(lengths) <= 16  # never the whole sequence (or prompt)
     assert len(lengths) <= 2 * len(ids) + 1
 
@@ -164,7 +167,8 @@ def test_stop_string_across_tokens(tokenizer: Tokenizer) -> None:
     deltas, rest, detok = stream(tokenizer, [], ids, stop=["a gam"])
     out = "".join(deltas) + rest
     assert len(deltas) == stop_at  # caught on the token that completed it, not later
-    assert out == full[: full.index("a gam")] == detok.text and detok.stop_string == "a gam"
+    assert out == full[: full.index("a gam")] == detok.text
+    assert detok.stop_string == "a gam"
     assert "gam" not in "".join(deltas)
 
     deltas, rest, _ = stream(tokenizer, [], ids, stop=["a gam"], include_stop_str_in_output=True)
@@ -176,13 +180,15 @@ def test_stop_string_inside_one_token_and_earliest_wins(tokenizer: Tokenizer) ->
     deltas, rest, _ = stream(tokenizer, [], ids, stop=["ell"])
     assert "".join(deltas) + rest == "H"
     deltas, rest, detok = stream(tokenizer, [], ids, stop=["world", "lo w"])
-    assert "".join(deltas) + rest == "Hel" and detok.stop_string == "lo w"
+    assert "".join(deltas) + rest == "Hel"
+    assert detok.stop_string == "lo w"
 
 
 def test_multibyte_stop_string(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("go 🦀 ж end", add_special_tokens=False)
     deltas, rest, detok = stream(tokenizer, [], ids, stop=["ж"])
-    assert "".join(deltas) + rest == "go 🦀 " and detok.stop_string == "ж"
+    assert "".join(deltas) + rest == "go 🦀 "
+    assert detok.stop_string == "ж"
     assert not any("\ufffd" in d for d in deltas)
 
 
@@ -194,14 +200,16 @@ def test_hold_back_and_flush_without_match(tokenizer: Tokenizer) -> None:
         emitted += detok.update([token_id]).delta_text
         assert len(emitted) == max(0, len(detok.text) - 5)  # the last 5 chars are held
     rest = detok.flush()
-    assert rest == detok.text[-5:] and emitted + rest == tokenizer.decode(ids)
+    assert rest == detok.text[-5:]
+    assert emitted + rest == tokenizer.decode(ids)
     assert detok.flush() == ""
 
 
 def test_held_back_prefix_of_stop_string_is_released(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("say Hel", add_special_tokens=False)
     deltas, rest, detok = stream(tokenizer, [], ids, stop=["Hello"])
-    assert detok.stop_string is None and "".join(deltas) + rest == "say Hel"
+    assert detok.stop_string is None
+    assert "".join(deltas) + rest == "say Hel"
     assert "Hel" in rest  # it might have begun "Hello", so it waited for flush
 
 
@@ -210,7 +218,8 @@ def test_stop_at_the_very_start_and_nothing_after(tokenizer: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], stop=["Hel"])
     updates = [detok.update([i]) for i in ids]
     stops = [u.stop_string for u in updates if u.stop_string]
-    assert stops == ["Hel"] and detok.finished
+    assert stops == ["Hel"]
+    assert detok.finished
     assert "".join(u.delta_text for u in updates) + detok.flush() == "" == detok.text
 
 
@@ -220,4 +229,6 @@ def test_stop_strings_ignored_before_min_tokens(tokenizer: Tokenizer) -> None:
     deltas, rest, detok = stream(tokenizer, [], ids, stop=["ab"], min_tokens=first_ab + 1,
                                  include_stop_str_in_output=True)
     out = "".join(deltas) + rest
-    assert detok.stop_string == "ab" and out.endswith("ab") and len(out) > 2
+    assert detok.stop_string == "ab"
+    assert out.endswith("ab")
+    assert len(out) > 2

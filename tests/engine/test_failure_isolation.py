@@ -59,7 +59,8 @@ def test_runner_fault_ends_only_its_request(engine: LLMEngine, monkeypatch) -> N
             for rid, p in PROMPTS.items() if rid != "bad"}
     poison_runner(engine, monkeypatch)
     finals = run_all(engine, PROMPTS)
-    assert finals["bad"].error is not None and "OverflowError" in finals["bad"].error
+    assert finals["bad"].error is not None
+    assert "OverflowError" in finals["bad"].error
     assert finals["bad"].outputs[0].finish_reason == "abort"
     for rid in ("a", "b"):
         assert finals[rid].error is None
@@ -80,7 +81,8 @@ def test_output_processing_fault_ends_only_its_request(engine: LLMEngine, monkey
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finals["y"].error is not None and "UnicodeDecodeError" in finals["y"].error
+    assert finals["y"].error is not None
+    assert "UnicodeDecodeError" in finals["y"].error
     assert finals["x"].error is None
     assert finals["x"].num_generated_tokens == 8
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
@@ -128,10 +130,14 @@ def test_async_engine_reports_request_failure_and_death(tiny_model, monkeypatch)
         return results, alive_after_one_failure, later
 
     (good_a, bad, good_b), alive, later = asyncio.run(main())
-    assert isinstance(bad, RequestFailedError) and "bad" in str(bad)
-    assert len(good_a) == 8 and len(good_b) == 8
+    assert isinstance(bad, RequestFailedError)
+    assert "bad" in str(bad)
+    assert len(good_a) == 8
+    assert len(good_b) == 8
     assert alive
     assert [type(e) for e in later[:2]] == [RequestFailedError, RequestFailedError]
-    assert isinstance(later[2], EngineDeadError) and isinstance(later[3], EngineDeadError)
-    assert len(died) == 1 and isinstance(died[0], EngineFaultError)
+    assert isinstance(later[2], EngineDeadError)
+    assert isinstance(later[3], EngineDeadError)
+    assert len(died) == 1
+    assert isinstance(died[0], EngineFaultError)
     assert not engine.is_alive

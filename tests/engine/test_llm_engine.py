@@ -45,10 +45,14 @@ def test_n_completions_and_stop_and_logprobs(llm: LLM) -> None:
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     for c in out.outputs:
-        assert len(c.token_ids) == 12 and c.finish_reason == "length"
-        assert c.logprobs is not None and len(c.logprobs) == 12
+        assert len(c.token_ids) == 12
+        assert c.finish_reason == "length"
+        assert c.logprobs is not None
+        assert len(c.logprobs) == 12
         for tok, lp in zip(c.token_ids, c.logprobs):
-            assert lp.token_id == tok and lp.logprob <= 0.0 and len(lp.top) == 2
+            assert lp.token_id == tok
+            assert lp.logprob <= 0.0
+            assert len(lp.top) == 2
             assert lp.top[0][1] >= lp.top[1][1] >= lp.logprob - 1e-6 or tok in dict(lp.top)
 
     # A random model likes lone UTF-8 continuation bytes; keep its text printable.
@@ -57,10 +61,12 @@ def test_n_completions_and_stop_and_logprobs(llm: LLM) -> None:
     base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias=bias)
     greedy = llm.generate(prompt, base)[0]
     text = greedy.outputs[0].text
-    assert len(text) > 8 and text == llm.tokenizer.decode(greedy.outputs[0].token_ids)
+    assert len(text) > 8
+    assert text == llm.tokenizer.decode(greedy.outputs[0].token_ids)
     stop = text[5:8]
     stopped = llm.generate(prompt, base.model_copy(update={"stop": [stop]}))[0].outputs[0]
-    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop
     assert stopped.text == text[: text.index(stop)]
     # a stop token id ends the sequence at that token
     stop_id = greedy.outputs[0].token_ids[3]
@@ -75,11 +81,14 @@ def test_eos_stops_unless_ignored_and_min_tokens(llm: LLM) -> None:
     eos = next(iter(llm.engine.eos_token_ids))
     bias = {eos: 100.0}  # make EOS the certain choice
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=10, logit_bias=bias))
-    assert out[0].outputs[0].token_ids == [eos] and out[0].outputs[0].finish_reason == "stop"
+    assert out[0].outputs[0].token_ids == [eos]
+    assert out[0].outputs[0].finish_reason == "stop"
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=10, logit_bias=bias,
                                                min_tokens=4))
     ids = out[0].outputs[0].token_ids
-    assert len(ids) == 5 and eos not in ids[:4] and ids[4] == eos
+    assert len(ids) == 5
+    assert eos not in ids[:4]
+    assert ids[4] == eos
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=6, logit_bias=bias,
                                                ignore_eos=True))
     assert out[0].outputs[0].token_ids == [eos] * 6
@@ -154,11 +163,13 @@ def test_kv_accounting_with_aborts_and_preemption(tiny_model) -> None:
             victim = str(to_abort.pop())
             aborted = small.abort_request(victim)
             if aborted is not None:
-                assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+                assert aborted.finished
+                assert aborted.outputs[0].finish_reason == "abort"
                 aborted_ids.add(victim)
     assert small.scheduler.num_preemptions > 0
     assert small.block_manager.num_free_blocks == small.block_manager.num_blocks
-    assert len(aborted_ids) > 5 and not aborted_ids & completed.keys()
+    assert len(aborted_ids) > 5
+    assert not aborted_ids & completed.keys()
     assert len(completed) + len(aborted_ids) == 100
     assert all(len(completed[i]) == params[int(i)].max_tokens for i in completed)
 

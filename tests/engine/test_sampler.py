@@ -33,7 +33,8 @@ def test_greedy_is_argmax_and_fast_path_has_no_logprobs() -> None:
     logits = torch.randn(5, V)
     out = sample(logits, seqs_for([SamplingParams(temperature=0)] * 5))
     assert out.token_ids.tolist() == logits.argmax(-1).tolist()
-    assert out.logprobs is None and out.top_ids is None
+    assert out.logprobs is None
+    assert out.top_ids is None
 
 
 def test_temperature_sampling_follows_softmax() -> None:
@@ -128,11 +129,13 @@ def test_logprobs_of_processed_logits_sorted_top_k() -> None:
     lps = to_token_logprobs(out, seqs)
     assert lps[1] is None
     first = lps[0]
-    assert first is not None and first.token_id == out.token_ids[0].item()
+    assert first is not None
+    assert first.token_id == out.token_ids[0].item()
     assert math.isclose(first.logprob, ref[0].max().item(), rel_tol=1e-5)
     assert [t for t, _ in first.top] == ref[0].topk(3).indices.tolist()
     assert all(a[1] >= b[1] for a, b in zip(first.top, first.top[1:]))
-    assert lps[2] is not None and lps[2].top == []
+    assert lps[2] is not None
+    assert lps[2].top == []
     assert math.isclose(lps[2].logprob, ref[2, out.token_ids[2]].item(), rel_tol=1e-5)
 
 

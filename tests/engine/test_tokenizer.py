@@ -18,7 +18,8 @@ def smol(smollm2_gguf) -> Tokenizer:
 
 
 def test_gguf_tokenizer_and_chat_template(smol: Tokenizer) -> None:
-    assert smol.eos_token_ids == frozenset({2}) and smol.vocab_size == 49152
+    assert smol.eos_token_ids == frozenset({2})
+    assert smol.vocab_size == 49152
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Hi there"}]
     text = smol.apply_chat_template(messages)
@@ -61,8 +62,10 @@ def test_generation_config_eos_ids_are_added(tiny_model, tmp_path, eos) -> None:
 def test_from_hf_wraps_a_built_tokenizer(tiny_model) -> None:
     hf = tiny_model[2]
     tok = Tokenizer.from_hf(hf, extra_eos_ids=(3,))
-    assert tok.hf is hf and tok.vocab_size == len(hf)
-    assert tok.eos_token_ids == {hf.eos_token_id, 3} and tok.bos_token_id == hf.bos_token_id
+    assert tok.hf is hf
+    assert tok.vocab_size == len(hf)
+    assert tok.eos_token_ids == {hf.eos_token_id, 3}
+    assert tok.bos_token_id == hf.bos_token_id
     ids = tok.encode("hello world", add_special_tokens=False)
     assert tok.decode(ids) == "hello world"
     assert tok.decode([hf.eos_token_id] + ids) == "hello world"
@@ -96,7 +99,8 @@ def test_gguf_tokenizer_conversion_is_cached(smollm2_gguf, smol: Tokenizer, tmp_
     folder, gguf_file = smollm2_gguf
     cold = Tokenizer.from_model_path(folder, gguf_file=gguf_file, cache_dir=tmp_path)
     entries = list(tmp_path.iterdir())
-    assert len(entries) == 1 and (entries[0] / "tokenizer_config.json").exists()
+    assert len(entries) == 1
+    assert (entries[0] / "tokenizer_config.json").exists()
     warm = Tokenizer.from_model_path(folder, gguf_file=gguf_file, cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == entries  # reused, not converted again
     texts = ["Hello world", "<|im_start|>user hi<|im_end|>", "héllo 日本語 🙂", " a\tb\n\nc  "]

@@ -52,8 +52,10 @@ def test_linear_strategy_reproduces_the_logged_pairs() -> None:
     # bs [1, 32, 4] x seq [128, 128, 1024] -> 24 prompt; bs [1, 128, 4] x [128, 128, 2048] -> 48
     prompt = list(product(lin_range(1, 32, 4), lin_range(128, 128, 1024)))
     decode = list(product(lin_range(1, 128, 4), lin_range(128, 128, 2048)))
-    assert prompt == LOGGED_PROMPT and len(prompt) == 24
-    assert decode == LOGGED_DECODE and len(decode) == 48
+    assert prompt == LOGGED_PROMPT
+    assert len(prompt) == 24
+    assert decode == LOGGED_DECODE
+    assert len(decode) == 48
     env = {"VLLM_BUCKETING_STRATEGY": "lin", "VLLM_PROMPT_BS_BUCKET_STEP": "32",
            "VLLM_PROMPT_BS_BUCKET_MAX": "4", "VLLM_PROMPT_SEQ_BUCKET_MAX": "1024"}
     cfg = bucketing_config(env, block_size=128, max_model_len=2048, max_num_seqs=4,
@@ -138,6 +140,9 @@ def test_shipped_example_bucket_file_parses() -> None:
     buckets = parse_bucket_file(str(example))
     prompts = [b for b in buckets if b[1] != 1]
     decodes = [b for b in buckets if b[1] == 1]
-    assert (1, 2048, 0) in prompts and (4, 256, 0) in prompts and len(prompts) == 9
-    assert (8, 1, 104) in decodes and (32, 1, 480) in decodes
+    assert (1, 2048, 0) in prompts
+    assert (4, 256, 0) in prompts
+    assert len(prompts) == 9
+    assert (8, 1, 104) in decodes
+    assert (32, 1, 480) in decodes
     assert all(blocks < 544 for _, _, blocks in decodes)

@@ -64,7 +64,8 @@ def test_batch_beyond_buckets_is_counted_and_correct(engines) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out_c = compiled.generate([prompt], params)[0].outputs[0].token_ids
     out_e = eager.generate([prompt], params)[0].outputs[0].token_ids
-    assert out_c == out_e and len(out_c) == 4
+    assert out_c == out_e
+    assert len(out_c) == 4
     assert misses._value.get() > before
     assert counters.compilations(stage="serving") > 0  # the unplanned shape compiled
 

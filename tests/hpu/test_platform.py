@@ -49,7 +49,8 @@ def test_builtins_register_through_entry_points() -> None:
 
 def test_third_party_platform_is_discovered_and_preferred_over_cpu(fake_plugin_dir) -> None:
     found = discover_platforms()
-    assert found["tpu"] is not None and found["neuron"] is None
+    assert found["tpu"] is not None
+    assert found["neuron"] is None
     assert detect_platform("auto").name == "tpu"  # no HPU or CUDA here
     with pytest.raises(RuntimeError, match="neuron"):
         detect_platform("neuron")
@@ -60,7 +61,8 @@ def test_cli_lists_platforms_and_prints_bucket_plans(fake_plugin_dir) -> None:
     env = dict(os.environ, PYTHONPATH=str(fake_plugin_dir))
     out = subprocess.run(cli + ["platforms"], capture_output=True, text=True, env=env)
     assert out.returncode == 0
-    assert "tpu      available" in out.stdout and "selected: tpu" in out.stdout
+    assert "tpu      available" in out.stdout
+    assert "selected: tpu" in out.stdout
     out = subprocess.run(cli + ["buckets", "--max-model-len", "1024", "--max-num-seqs", "4",
                                 "--max-num-batched-tokens", "1024"],
                          capture_output=True, text=True, env=dict(env, VLLM_SKIP_WARMUP="1"))

@@ -20,7 +20,8 @@ def test_block_split_matches_gguf_dequantize(kind: str) -> None:
     weights = (rng.standard_normal((6, 4 * GROUP_SIZE)) * 0.1 + 0.03).astype(np.float32)
     raw = gguf.quants.quantize(weights, qtype)
     codes, scale, zero = _split_blocks(raw, kind)
-    assert codes.shape == weights.shape and codes.max() <= 15
+    assert codes.shape == weights.shape
+    assert codes.max() <= 15
     assert scale.shape == zero.shape == (6, 4)
     ours = (codes.astype(np.float32) - 8) * np.repeat(scale, GROUP_SIZE, 1) \
         + np.repeat(zero, GROUP_SIZE, 1)
@@ -36,5 +37,6 @@ def test_embedded_model_codes_equal_its_dequantized_weights() -> None:
     assert len(weights) == 4 * loaded.config.num_layers
     for name, weight in weights.items():
         dense = loaded.model.get_submodule(name).weight
-        assert weight.codes.dtype == torch.uint8 and int(weight.codes.max()) <= 15
+        assert weight.codes.dtype == torch.uint8
+        assert int(weight.codes.max()) <= 15
         torch.testing.assert_close(weight.dequantize(), dense, rtol=0, atol=1e-6)

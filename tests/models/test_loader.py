@@ -27,7 +27,8 @@ def test_gguf_header_config_matches_transformers(smollm2_gguf) -> None:
     hf = AutoConfig.from_pretrained(folder, gguf_file=name)
     assert (ours.num_layers, ours.hidden_size, ours.num_heads, ours.num_kv_heads) == (
         hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads)
-    assert ours.intermediate_size == hf.intermediate_size and ours.vocab_size == hf.vocab_size
+    assert ours.intermediate_size == hf.intermediate_size
+    assert ours.vocab_size == hf.vocab_size
     assert ours.tie_word_embeddings == hf.tie_word_embeddings
     assert ours.rope_theta == pytest.approx(hf.rope_parameters["rope_theta"])
 

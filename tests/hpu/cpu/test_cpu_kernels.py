@@ -116,7 +116,8 @@ def test_decode_attention_matches_dense(fused, dtype, kv_heads, groups, dim, blo
     query = qkv.view(len(lens), -1, dim)[:, : kv_heads * groups]
     scale = dim**-0.5
     out = fused.decode_attention(query, (keys_t, v_cache), meta, scale)
-    assert out.shape == query.shape and out.dtype == dtype
+    assert out.shape == query.shape
+    assert out.dtype == dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for row, (n, table) in enumerate(zip(lens, tables)):
         blocks = torch.tensor(table)
@@ -221,7 +222,8 @@ def test_argmax_matches_torch_including_ties_nan_and_infinities(fused, dtype, wi
         x[6, 0] = x[6, width - 1] = 1e4  # a tie across the row: the first
         x[7, width // 3] = x[7, width // 2] = float("nan")
     got = torch.ops.hpu_serve.argmax(x)
-    assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1))
+    assert got.dtype == torch.long
+    assert torch.equal(got, x.argmax(dim=-1))
 
 
 def test_a_failed_or_impossible_build_falls_back_to_pytorch_ops(tmp_path, monkeypatch,
@@ -237,7 +239,8 @@ def test_a_failed_or_impossible_build_falls_back_to_pytorch_ops(tmp_path, monkey
     with caplog.at_level("WARNING"):
         assert cpu_kernels._load(cache) is False
     assert "no such header" in caplog.text
-    assert not list(cache.glob("*.so")) and not list(cache.glob(".build-*"))  # nothing left
+    assert not list(cache.glob("*.so"))
+    assert not list(cache.glob(".build-*"))  # nothing left
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
     with caplog.at_level("WARNING"):
         assert cpu_kernels._load(cache) is False

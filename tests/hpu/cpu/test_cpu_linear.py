@@ -39,7 +39,8 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
     for x in inputs:
         x = x.to(dtype)
         got, want = packed(x), nn.functional.linear(x, linear.weight, linear.bias)
-        assert got.shape == want.shape and got.dtype == dtype
+        assert got.shape == want.shape
+        assert got.dtype == dtype
         if dtype == torch.bfloat16:
             assert torch.equal(got, want)  # same oneDNN kernel, only the layout changed
         else:
