@@ -103,7 +103,7 @@ def serve(args: argparse.Namespace) -> int:
     # every bucket compiled/captured before the port opens, on the thread that will serve
     engine.call(engine.engine.warmup)
     app = build_app(engine, server_cfg)
-    http = HttpServer(app, server_cfg)
+    http = HttpServer(app, server_cfg, on_deadline=engine.abort_all)
 
     def engine_died(exc: BaseException) -> None:
         logger.critical("the engine died (%r): stopping the server, exit status 1", exc)

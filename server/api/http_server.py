@@ -4,20 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import signal
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI
 
 from server.config import ServerConfig
 
+logger = logging.getLogger(__name__)
+
+
+# After the drain deadline, how long the aborted streams get to send their last chunk.
+FLUSH_SECONDS = 5.0
+
 
 class GracefulServer(uvicorn.Server):
-    """On SIGTERM/SIGINT uvicorn stops accepting, lets in-flight requests finish within
-    ``timeout_graceful_shutdown`` and then cancels the rest. Stock uvicorn re-raises the
-    signal afterwards, so the process would die by it; a drained shutdown exits 0 here."""
+    """On SIGTERM/SIGINT uvicorn stops accepting and lets in-flight requests finish. At the
+    drain deadline ``on_deadline`` aborts what is still running, so that every stream ends
+    properly (a last chunk with ``finish_reason`` "abort", then ``[DONE]``) within
+    ``FLUSH_SECONDS``; only then would uvicorn cancel what is left. Stock uvicorn re-raises
+    the signal afterwards, so the process would die by it; a drained shutdown exits 0 here."""
+
+    def __init__(self, config: uvicorn.Config, drain_seconds: float,
+                 on_deadline: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self.drain_seconds = drain_seconds
+        self.on_deadline = on_deadline
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -32,18 +49,33 @@ class GracefulServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        deadline = asyncio.create_task(self._abort_at_deadline())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    async def _abort_at_deadline(self) -> None:
+        await asyncio.sleep(self.drain_seconds)
+        if self.server_state.connections and self.on_deadline is not None:
+            logger.warning("Drain deadline (%.0f s) reached: aborting the requests still "
+                           "running", self.drain_seconds)
+            self.on_deadline()
+
 
 class HttpServer:
     """The uvicorn server of one app; ``stop()`` may be called from any thread (the engine
     thread calls it when the engine dies, so the process exits and is restarted)."""
 
-    def __init__(self, app: FastAPI, cfg: ServerConfig) -> None:
+    def __init__(self, app: FastAPI, cfg: ServerConfig,
+                 on_deadline: Callable[[], None] | None = None) -> None:
         config = uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
             access_log=not cfg.disable_access_log,
-            timeout_graceful_shutdown=max(1, round(cfg.shutdown_timeout)),
+            timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout + FLUSH_SECONDS),
         )
-        self._server = GracefulServer(config)
+        self._server = GracefulServer(config, cfg.shutdown_timeout, on_deadline)
 
     def stop(self) -> None:
         self._server.should_exit = True  # uvicorn's main loop polls it

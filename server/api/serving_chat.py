@@ -83,16 +83,17 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
     for i in range(n):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     final: RequestOutput | None = None
+    ended: set[int] = set()
     async for out in stream:
         final = out
         choices = []
         for c in out.outputs:
-            # Only completions that advanced this step; a finished one stays finished in
-            # later outputs of an n > 1 request and must not be announced twice.
-            if not c.token_ids:
-                continue
+            if c.index in ended:
+                continue  # it stays finished in later outputs of an n > 1 request
             if not (c.text or c.finish_reason or c.logprobs):
-                continue
+                continue  # nothing to send yet (text held back in case of a stop string)
+            if c.finish_reason:
+                ended.add(c.index)
             choices.append(ChatStreamChoice(
                 index=c.index,
                 delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),

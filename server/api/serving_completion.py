@@ -88,6 +88,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
     created = created_now()
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
+    ended: set[int] = set()
     prompt_tokens: dict[int, int] = {}
     generated: dict[int, int] = {}
 
@@ -102,12 +103,16 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
         choices = []
         for c in out.outputs:
             index = i * req.n + c.index
+            if index in ended:
+                continue  # it stays finished in later outputs of an n > 1 request
             text = c.text
             if req.echo and index not in echoed:
                 echoed.add(index)
                 text = _echo_text(ctx, out) + text
-            if not c.token_ids or not (text or c.finish_reason or c.logprobs):
-                continue
+            if not (text or c.finish_reason or c.logprobs):
+                continue  # nothing to send yet (text held back in case of a stop string)
+            if c.finish_reason:
+                ended.add(index)
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(c.text)
             choices.append(CompletionChoice(

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,6 +39,11 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class AbortAll:
+    """Ends every request now, each with a last output (finish_reason "abort")."""
+
+
+@dataclass(frozen=True, slots=True)
 class CallOnEngineThread:
     """Start-up work (load, warmup) that must run on the thread that will step."""
 
@@ -51,7 +57,7 @@ class Stop:
     pass
 
 
-Command = Union[AddRequest, AbortRequest, CallOnEngineThread, Stop]
+Command = Union[AddRequest, AbortRequest, AbortAll, CallOnEngineThread, Stop]
 
 
 @dataclass(eq=False)
@@ -171,9 +177,11 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is not running: {self.dead_reason!r}")
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        arrival = time.monotonic()  # before tokenizing: requests are tokenized concurrently
         self._transit(+1)
         try:
-            state = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params)
+            state = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params,
+                                            arrival)
         except BaseException:
             self._transit(-1)
             raise
@@ -186,6 +194,12 @@ class AsyncEngine:
         """Stops a request and frees its KV blocks (no-op if it already finished)."""
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(AbortRequest(request_id))
+
+    def abort_all(self) -> None:
+        """Ends every running or waiting request; unlike a client's abort, each stream
+        still receives its last output (finish_reason "abort"). Thread-safe (the server
+        calls it at the shutdown drain deadline)."""
+        self._commands.put(AbortAll())
 
     def stats(self) -> EngineStats:
         """The engine's snapshot, with requests still on their way in counted as waiting
@@ -227,6 +241,9 @@ class AsyncEngine:
                 self._add(command.state)
             elif isinstance(command, AbortRequest):
                 self.engine.abort_request(command.request_id)
+            elif isinstance(command, AbortAll):
+                ended = [self.engine.abort_request(r) for r in self.engine.request_ids()]
+                self._call_loop(self._push_outputs, [out for out in ended if out is not None])
             elif isinstance(command, CallOnEngineThread):
                 try:
                     command.future.set_result(command.fn(*command.args))

@@ -191,6 +191,10 @@ class LLMEngine:
                 f"them; last error: {exc!r}") from exc
         return outputs
 
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds (waiting or running)."""
+        return list(self.output_processor.requests)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -5,6 +5,7 @@ Pure Python: it decides *which* sequences run; the model runner decides *how*.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,8 +46,11 @@ class Scheduler:
     Policy (like vLLM's V0 default, which the Gaudi backend keeps): new prompts join between
     steps as a prefill batch whenever they fit (sequence slots, token budget, free blocks);
     otherwise every running sequence decodes one token. When a decode needs a block and none
-    is free, the newest running sequence is preempted: its blocks are freed and it goes back
-    to the head of the queue, to be recomputed from its tokens later.
+    is free, the newest running sequence (by arrival) is preempted: its blocks are freed and
+    it goes back to the head of the queue, to be recomputed from its tokens later. The
+    running set is kept in arrival order, so a request that was preempted and re-admitted is
+    still older than those that came after it: the oldest request is never the victim, and
+    requests finish roughly in the order they came.
     """
 
     def __init__(
@@ -76,8 +80,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queues a sequence in arrival order: requests are tokenized concurrently, so they
+        can reach the scheduler in another order than they reached the server."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_arrival_order)
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None when there is nothing to run."""
@@ -124,7 +130,8 @@ class Scheduler:
             longest = longest_with
         if not seqs:
             return None
-        self.running.extend(seqs)
+        for seq in seqs:
+            bisect.insort(self.running, seq, key=_arrival_order)
         return ScheduledBatch(Phase.PROMPT, seqs)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -136,7 +143,8 @@ class Scheduler:
                 self.block_manager.append_slot(seq)
                 i += 1
                 continue
-            victim = self.running.pop()  # newest first: it has the least work to redo
+            # The newest arrival: it has waited least (and usually has the least to redo).
+            victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
         if not self.running:
@@ -148,4 +156,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=_arrival_order)  # ahead of later arrivals
+
+
+def _arrival_order(seq: Sequence) -> tuple[float, int]:
+    return seq.arrival_time, seq.seq_id
