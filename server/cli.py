@@ -108,7 +108,7 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=server_cfg.max_waiting_requests,
         allowed_origins=server_cfg.allowed_origins, allowed_methods=server_cfg.allowed_methods,
         allowed_headers=server_cfg.allowed_headers,
-        allow_credentials=server_cfg.allow_credentials,
+        allow_credentials=server_cfg.allow_credentials, limits=server_cfg.limits,
     ))
     http = HttpServer(app, server_cfg)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import server
 from server.api.errors import APIError, install_error_handlers
 from server.api.middleware import BodyTooLarge, GuardMiddleware
+from server.api.openapi import install_openapi
 from server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +29,7 @@ from server.api.protocol import (
 from server.api.serving import EngineClient, ServingContext, check_model, guarded_sse
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
+from server.config import RequestLimits
 from server.metrics import ServerMetrics
 
 
@@ -44,6 +46,7 @@ class AppSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def build_app(engine: EngineClient, settings: AppSettings, start_engine: bool = True) -> FastAPI:
@@ -52,7 +55,7 @@ def build_app(engine: EngineClient, settings: AppSettings, start_engine: bool = 
     if device_registry is not None:  # a registry is itself a collector: fold it in
         metrics.registry.register(device_registry)
     ctx = ServingContext(engine, settings.model_name, settings.max_model_len, metrics,
-                         settings.max_waiting_requests)
+                         settings.max_waiting_requests, settings.limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -68,6 +71,7 @@ def build_app(engine: EngineClient, settings: AppSettings, start_engine: bool = 
     app.state.metrics = metrics
     install_error_handlers(app)
     _add_routes(app, ctx)
+    install_openapi(app)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(settings.allowed_origins),
         allow_methods=list(settings.allowed_methods),
@@ -141,7 +145,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def health() -> Response:
         if not ctx.engine.is_alive:
             raise APIError(503, "the engine loop is not running")
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -18,6 +18,7 @@ from server.api.protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from server.api.request_checks import check_limits, check_messages, reject_unsupported
 from server.api.serving import (
     MetricsTap,
     ServingContext,
@@ -27,6 +28,7 @@ from server.api.serving import (
     sse,
     sse_chunk,
     submit,
+    system_fingerprint,
     tapped,
     usage,
 )
@@ -37,10 +39,17 @@ async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, request_id: str
 ) -> ChatCompletionResponse | AsyncIterator[str]:
     check_model(ctx, req.model)
+    reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_sampling_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    check_messages(ctx.limits, len(req.messages))
+    check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=1,
+                 max_tokens=max_tokens, logprobs=logprobs, logprobs_field="top_logprobs",
+                 max_tokens_field="max_completion_tokens" if req.max_completion_tokens
+                 else "max_tokens")
+    params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
         prompt_ids = await asyncio.to_thread(
@@ -70,6 +79,7 @@ async def create_chat_completion(
     return ChatCompletionResponse(
         id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
         usage=usage(len(final.prompt_token_ids), final.num_generated_tokens),
+        system_fingerprint=system_fingerprint(ctx.model_name),
     )
 
 
@@ -79,7 +89,9 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
 
     def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
         body = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name,
-                                   choices=choices, **extra)
+                                   choices=choices,
+                                   system_fingerprint=system_fingerprint(ctx.model_name),
+                                   **extra)
         return sse_chunk(body)
 
     for i in range(n):

@@ -11,6 +11,7 @@ from server.api.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from server.api.request_checks import check_limits, reject_unsupported
 from server.api.serving import (
     MetricsTap,
     ServingContext,
@@ -21,6 +22,7 @@ from server.api.serving import (
     sse,
     sse_chunk,
     submit,
+    system_fingerprint,
     tapped,
     usage,
 )
@@ -41,12 +43,18 @@ async def create_completion(
     ctx: ServingContext, req: CompletionRequest, request_id: str
 ) -> CompletionResponse | AsyncIterator[str]:
     check_model(ctx, req.model)
+    reject_unsupported(req, chat=False)
     if req.suffix:
-        raise APIError(400, "suffix is not supported", "suffix")
+        raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
     if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
-    params = build_sampling_params(req, req.max_tokens, req.logprobs)
+        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo",
+                       "unsupported_parameter")
     prompts = _prompts(req.prompt)
+    check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=len(prompts),
+                 max_tokens=req.max_tokens, max_tokens_field="max_tokens",
+                 logprobs=req.logprobs, logprobs_field="logprobs")
+    params = build_sampling_params(req, req.max_tokens, req.logprobs,
+                                   ctx.engine.tokenizer.vocab_size)
     streams = []
     try:
         for i, prompt in enumerate(prompts):
@@ -76,7 +84,8 @@ async def create_completion(
     prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
     generated = sum(o.num_generated_tokens for o in finals.values())
     return CompletionResponse(id=response_id, created=created_now(), model=ctx.model_name,
-                              choices=choices, usage=usage(prompt_tokens, generated))
+                              choices=choices, usage=usage(prompt_tokens, generated),
+                              system_fingerprint=system_fingerprint(ctx.model_name))
 
 
 async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput]],
@@ -90,7 +99,9 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
 
     def chunk(choices: list[CompletionChoice], **extra: object) -> str:
         body = CompletionResponse(id=response_id, created=created, model=ctx.model_name,
-                                  choices=choices, **extra)
+                                  choices=choices,
+                                  system_fingerprint=system_fingerprint(ctx.model_name),
+                                  **extra)
         return sse_chunk(body)
 
     async for i, out in merge(streams):
