@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from server.api.connections import ConnectionLimits, protocol_factory
 from server.config import ServerConfig
 
 
@@ -38,10 +39,17 @@ class HttpServer:
     thread calls it when the engine dies, so the process exits and is restarted)."""
 
     def __init__(self, app: FastAPI, cfg: ServerConfig) -> None:
+        limits = ConnectionLimits(header_timeout=cfg.timeout_request_header,
+                                  body_timeout=cfg.timeout_request_body,
+                                  max_connections=cfg.limit_concurrency)
         config = uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
             access_log=not cfg.disable_access_log,
             timeout_graceful_shutdown=max(1, round(cfg.shutdown_timeout)),
+            timeout_keep_alive=cfg.timeout_keep_alive,
+            # h11 with request deadlines and a JSON 503 connection cap (server/api/
+            # connections.py); uvicorn's own limit_concurrency stays off
+            http=protocol_factory(limits),
         )
         self._server = GracefulServer(config)
 
