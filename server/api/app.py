@@ -161,7 +161,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         tok = ctx.engine.tokenizer
         if body.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            tokens = tok.encode_chat(messages, body.add_generation_prompt)
+            try:
+                tokens = tok.encode_chat(messages, body.add_generation_prompt)
+            except ValueError as exc:  # the template refused them, as in chat completions
+                raise APIError(400, str(exc), "messages") from None
         elif body.prompt is not None:
             tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from server.api.protocol import (
+    ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
     ErrorResponse,
@@ -25,14 +26,26 @@ from server.api.protocol import (
 )
 
 _REF = "#/components/schemas/{model}"
-_SSE = {"text/event-stream": {"schema": {"type": "string"},
-                              "description": "with `stream`: `data: <chunk JSON>` events, "
-                                             "then `data: [DONE]`"}}
+
+
+def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
+    """With ``stream``: one event per chunk (JSON), an error event if the request fails
+    mid-stream, then ``data: [DONE]``. Before OpenAPI 3.2, ``schema`` of an event stream
+    describes one event, whose ``data`` carries the JSON."""
+    data = {"type": "string", "anyOf": [
+        {"const": "[DONE]"},
+        {"contentMediaType": "application/json", "contentSchema": {"anyOf": [
+            {"$ref": _REF.format(model=chunk.__name__)},
+            {"$ref": _REF.format(model="ErrorResponse")}]}},
+    ]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {"text/event-stream": {"schema": event}}
+
 
 # Success bodies the route annotations cannot express: (method, path) -> content
 _SUCCESS: Mapping[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]] = {
-    ("post", "/v1/chat/completions"): (ChatCompletionResponse, _SSE),
-    ("post", "/v1/completions"): (CompletionResponse, _SSE),
+    ("post", "/v1/chat/completions"): (ChatCompletionResponse, _sse(ChatCompletionChunk)),
+    ("post", "/v1/completions"): (CompletionResponse, _sse(CompletionResponse)),
     ("get", "/health"): (HealthResponse, {}),
     ("get", "/metrics"): (None, {"text/plain": {"schema": {"type": "string"}}}),
 }
@@ -63,8 +76,8 @@ def _errors(method: str, path: str, has_body: bool) -> list[int]:
 def build_openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    models: list[type[BaseModel]] = [ErrorResponse, ChatCompletionResponse, CompletionResponse,
-                                     HealthResponse]
+    models: list[type[BaseModel]] = [ErrorResponse, ChatCompletionResponse, ChatCompletionChunk,
+                                     CompletionResponse, HealthResponse]
     _, defs = models_json_schema([(m, "serialization") for m in models], ref_template=_REF)
     components.update(defs.get("$defs", {}))
     error_content = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
@@ -84,6 +97,13 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                 responses[str(status)] = {"description": _WHY[status], "content": error_content}
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
+    ctx = getattr(app.state, "ctx", None)
+    if ctx is not None:  # the one model served: any other name is a 404
+        for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest",
+                     "DetokenizeRequest"):
+            properties = components.get(name, {}).get("properties", {})
+            if "model" in properties:
+                properties["model"]["anyOf"] = [{"const": ctx.model_name}, {"type": "null"}]
     return schema
 
 

@@ -8,13 +8,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from server.api.text_fields import Text, text_only_parts
+from server.api.text_fields import Text, no_tool_calls, text_only_parts
 
 # OpenAI's published ranges (API specification 2.3.0); configurable limits that depend on
 # the deployment (--max-logprobs, --max-stop-strings...) are checked in serving.py.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # top_k beyond the vocabulary is clamped (as vLLM does); beyond int32 it is a typo.
 INT32_MAX = 2**31 - 1
+
+
+StopText = Annotated[Text, Field(min_length=1)]
 
 
 class OpenAIModel(BaseModel):
@@ -50,18 +53,12 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    # Declared only to be refused (see ``_no_tool_calls``): a conversation with tool calls
-    # needs the tools API, which this server does not implement.
-    tool_calls: list[Any] | None = None
+    # Declared only to be refused: a conversation with tool calls needs the tools API,
+    # which this server does not implement (the schema says: empty or null).
+    tool_calls: list[Any] | None = Field(None, max_length=0)
 
     _text_only = field_validator("content", mode="before")(text_only_parts)
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, value: list[Any] | None) -> None:
-        if value:
-            raise ValueError("tool calls are not supported by this server")
-        return None
+    _no_tool_calls = field_validator("tool_calls", mode="before")(no_tool_calls)
 
 
 class SamplingFields(RequestModel):
@@ -75,7 +72,7 @@ class SamplingFields(RequestModel):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
+    stop: StopText | list[StopText] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -84,7 +81,9 @@ class SamplingFields(RequestModel):
     # vLLM extras
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=20.0)
+    # vLLM takes any value > 0; below 0.01 the division overflows the logits to inf and the
+    # distribution to NaN (garbage tokens), so such values are refused
+    repetition_penalty: float | None = Field(None, ge=0.01, le=20.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
@@ -216,7 +215,7 @@ class ModelList(BaseModel):
 class TokenizeRequest(OpenAIModel):
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

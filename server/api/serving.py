@@ -6,6 +6,7 @@ import asyncio
 import functools
 import hashlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class ServingContext:
 def check_model(ctx: ServingContext, name: str | None) -> None:
     if name is not None and name != ctx.model_name:
         raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+
+LOGPROB_FLOOR = -9999.0
 
 
 @functools.lru_cache(maxsize=8)
@@ -203,7 +207,15 @@ def sse_chunk(body: BaseModel) -> str:
     for choice in data.get("choices", []):
         choice.setdefault("finish_reason", None)
         choice.setdefault("logprobs", None)
-    return sse(json.dumps(data, ensure_ascii=False))
+    # allow_nan=False: a NaN must fail the stream (an error event), never go out as
+    # "NaN", which no JSON parser accepts
+    return sse(json.dumps(data, ensure_ascii=False, allow_nan=False))
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (and NaN, from a degenerate distribution) become
+    -9999.0, the floor vLLM reports for -inf."""
+    return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
 def created_now() -> int:

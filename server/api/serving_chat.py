@@ -25,6 +25,7 @@ from server.api.serving import (
     build_sampling_params,
     check_model,
     created_now,
+    json_logprob,
     sse,
     sse_chunk,
     submit,
@@ -127,9 +128,10 @@ def _logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:
     for e in entries:
         text = tok.token_str(e.token_id)
         content.append(ChatLogprob(
-            token=text, logprob=e.logprob, bytes=list(text.encode("utf-8")),
+            token=text, logprob=json_logprob(e.logprob), bytes=list(text.encode("utf-8")),
             top_logprobs=[
-                TopLogprob(token=(s := tok.token_str(t)), logprob=lp, bytes=list(s.encode()))
+                TopLogprob(token=(s := tok.token_str(t)), logprob=json_logprob(lp),
+                           bytes=list(s.encode()))
                 for t, lp in e.top
             ],
         ))

@@ -18,6 +18,7 @@ from server.api.serving import (
     build_sampling_params,
     check_model,
     created_now,
+    json_logprob,
     merge,
     sse,
     sse_chunk,
@@ -141,8 +142,8 @@ def _logprobs(ctx: ServingContext, entries: list[TokenLogprob], offset: int) -> 
     for e in entries:
         text = tok.token_str(e.token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(e.logprob)
-        result.top_logprobs.append({tok.token_str(t): lp for t, lp in e.top})
+        result.token_logprobs.append(json_logprob(e.logprob))
+        result.top_logprobs.append({tok.token_str(t): json_logprob(lp) for t, lp in e.top})
         result.text_offset.append(offset)
         offset += len(text)
     return result

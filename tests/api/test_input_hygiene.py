@@ -94,6 +94,8 @@ def test_non_finite_logit_bias_is_400(server) -> None:
     (CHAT, {"min_tokens": 10**12}, "min_tokens", []),
     (CHAT, {"min_tokens": 600, "max_tokens": None}, "min_tokens", ["512"]),
     (CHAT, {"top_k": 2**70}, "top_k", []),
+    # found by the fuzzer: logits / 1e-300 overflow, NaN logprobs, a 500 writing the JSON
+    (COMPLETIONS, {"repetition_penalty": 1e-300, "logprobs": 2}, "repetition_penalty", []),
     (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens", []),
 ])
 def test_limits_are_400_naming_the_field(server, path: str, fields: dict, param: str,

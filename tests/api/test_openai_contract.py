@@ -168,3 +168,16 @@ def test_openapi_document_declares_what_the_server_answers(server) -> None:
     health = doc["paths"]["/health"]["get"]["responses"]
     assert "application/json" in health["200"]["content"] and "503" in health
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_non_finite_logprobs_leave_as_the_floor_never_as_invalid_json() -> None:
+    from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse
+    from server.api.serving import LOGPROB_FLOOR, json_logprob, sse_chunk
+
+    assert json_logprob(float("-inf")) == json_logprob(float("nan")) == LOGPROB_FLOOR == -9999.0
+    assert json_logprob(-1.5) == -1.5
+    nan = CompletionLogprobs(token_logprobs=[float("nan")])
+    chunk = CompletionResponse(id="x", created=0, model="m", system_fingerprint="fp",
+                               choices=[CompletionChoice(index=0, text="a", logprobs=nan)])
+    with pytest.raises(ValueError):  # fails the stream (an error event), never sends NaN
+        sse_chunk(chunk)
