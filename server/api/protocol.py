@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from server.api.text_fields import Text, no_tool_calls, text_only_parts
 
 # OpenAI's published ranges (API specification 2.3.0); configurable limits that depend on
-# the deployment (--max-logprobs, --max-stop-strings...) are checked in serving.py.
+# the deployment (--max-logprobs, --max-stop-strings...) are in request_checks.py.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # top_k beyond the vocabulary is clamped (as vLLM does); beyond int32 it is a typo.
 INT32_MAX = 2**31 - 1
