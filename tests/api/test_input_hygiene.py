@@ -183,14 +183,17 @@ def test_limits_follow_their_flags(tight_server) -> None:
                "66")
 
 
-def test_help_documents_every_limit_flag() -> None:
+def test_help_and_readme_document_every_limit_flag() -> None:
     import subprocess
     import sys
+    from pathlib import Path
 
     out = subprocess.run([sys.executable, "-m", "server", "serve", "--help"],
                          capture_output=True, text=True, check=True).stdout
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Limits and failure behaviour", 1)[1].split("\n### ", 1)[0]
     for flag in ("--max-logprobs", "--max-stop-strings", "--max-stop-token-ids",
                  "--max-logit-bias", "--max-messages", "--max-prompts",
                  "--max-tokens-per-request", "--timeout-keep-alive", "--timeout-request-header",
                  "--timeout-request-body", "--limit-concurrency", "--max-request-body-bytes"):
-        assert flag in out
+        assert flag in out and f"`{flag}`" in section, flag

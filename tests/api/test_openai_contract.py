@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from openai.types import Completion, ErrorObject
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
