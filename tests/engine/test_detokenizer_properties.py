@@ -10,7 +10,6 @@ byte-fallback tokens (``<0xE2>``), and the embedded SmolLM2 tokenizer.
 from __future__ import annotations
 
 import pytest
-from conftest import build_tokenizer
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from test_detokenizer import metaspace_tokenizer
@@ -31,9 +30,9 @@ TEXT = st.one_of(
 
 
 @pytest.fixture(scope="module", params=["tiny-byte-level", "byte-fallback", "smollm2"])
-def tokenizer(request, smollm2_gguf) -> Tokenizer:
-    if request.param == "tiny-byte-level":
-        return Tokenizer.from_hf(build_tokenizer())
+def tokenizer(request, smollm2_gguf, tiny_model) -> Tokenizer:
+    if request.param == "tiny-byte-level":  # tests/conftest.py's, as the tiny models use
+        return Tokenizer.from_hf(tiny_model[2])
     if request.param == "byte-fallback":
         return metaspace_tokenizer()
     return Tokenizer.from_model_path(smollm2_gguf[0], gguf_file=smollm2_gguf[1])
