@@ -11,7 +11,7 @@ import argparse
 import enum
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 GiB = 1 << 30
 # The step's token budget when --max-num-batched-tokens is unset: every prompt fits whole
@@ -307,6 +307,30 @@ def make_engine_config(environ: Mapping[str, str] | None = None,
 
 
 @dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one API request may ask for; beyond it the answer is 400 naming the field.
+
+    ``max_logprobs`` is vLLM's flag; the others have no vLLM counterpart. OpenAI's own
+    ranges (top_logprobs <= 20, completions logprobs <= 5, n <= 128...) always apply.
+    """
+
+    max_logprobs: int = 20
+    max_stop_strings: int = 4  # OpenAI's limit
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
+    max_messages: int = 1024
+    max_prompts: int = 128
+    # prompts x n x max_tokens of one call (max_tokens unset counts as the context length)
+    max_tokens_per_request: int = 131072
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            least = 0 if f.name == "max_logprobs" else 1  # 0 logprobs: none may be asked
+            if getattr(self, f.name) < least:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be >= {least}")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """HTTP-side settings of ``hpu-serve serve``."""
 
@@ -322,6 +346,19 @@ class ServerConfig:
     allow_credentials: bool = False
     log_level: str = "info"
     disable_access_log: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Connections (uvicorn's names where it has them)
+    timeout_keep_alive: float = 5.0  # idle time between requests on one connection
+    timeout_request_header: float = 20.0  # from connect / first byte to the end of headers
+    timeout_request_body: float = 30.0  # longest pause while a body is being received
+    limit_concurrency: int = 512  # open connections served at once; 0: unbounded
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.limit_concurrency < 0:
+            raise ValueError("--limit-concurrency must be >= 0 (0: unbounded)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -330,9 +367,39 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="or VLLM_API_KEY; protects /v1/*")
     parser.add_argument("--max-waiting-requests", type=int, default=0,
                         help="answer 503 once this many requests wait (0: unbounded)")
-    parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
+                        help="larger bodies (declared or chunked) are answered 413")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
+    limits = parser.add_argument_group("request limits (beyond them: 400 naming the field)")
+    limits.add_argument("--max-logprobs", type=int, default=20,
+                        help="top logprobs per token (chat top_logprobs, completions logprobs; "
+                             "OpenAI's own caps of 20 and 5 apply too)")
+    limits.add_argument("--max-stop-strings", type=int, default=4,
+                        help="stop strings per request (OpenAI allows 4)")
+    limits.add_argument("--max-stop-token-ids", type=int, default=1024,
+                        help="stop_token_ids per request")
+    limits.add_argument("--max-logit-bias", type=int, default=1024,
+                        help="logit_bias entries per request")
+    limits.add_argument("--max-messages", type=int, default=1024,
+                        help="chat messages per request")
+    limits.add_argument("--max-prompts", type=int, default=128,
+                        help="prompts in one completions request")
+    limits.add_argument("--max-tokens-per-request", type=int, default=131072,
+                        help="prompts x n x max_tokens of one request (an unset max_tokens "
+                             "counts as the context length)")
+    conns = parser.add_argument_group("connections")
+    conns.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")
+    conns.add_argument("--timeout-request-header", type=float, default=20.0,
+                       help="seconds a client has to send a request's headers (from the "
+                            "connection or its first byte); then 408 and close")
+    conns.add_argument("--timeout-request-body", type=float, default=30.0,
+                       help="longest pause, in seconds, while a request body is received; "
+                            "then 408 and close")
+    conns.add_argument("--limit-concurrency", type=int, default=512,
+                       help="connections served at once; a request on one more is answered "
+                            "503 (0: unbounded; /health is always served)")
     parser.add_argument("--allowed-origins", nargs="*", default=["*"])
     parser.add_argument("--allowed-methods", nargs="*", default=["*"])
     parser.add_argument("--allowed-headers", nargs="*", default=["*"])
@@ -359,4 +426,14 @@ def server_config_from_args(
         allow_credentials=args.allow_credentials,
         log_level=args.uvicorn_log_level,
         disable_access_log=args.disable_uvicorn_access_log,
+        limits=RequestLimits(
+            max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
+            max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
+            max_messages=args.max_messages, max_prompts=args.max_prompts,
+            max_tokens_per_request=args.max_tokens_per_request,
+        ),
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_request_header=args.timeout_request_header,
+        timeout_request_body=args.timeout_request_body,
+        limit_concurrency=args.limit_concurrency,
     )

@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import server
 from server.api.errors import APIError, install_error_handlers
-from server.api.middleware import BodyTooLarge, GuardMiddleware
+from server.api.middleware import GuardMiddleware
+from server.api.openapi import install_openapi
 from server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,7 +38,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     # The device layer's registry is itself a collector: folded into one /metrics.
     metrics.registry.register(engine.metrics_registry)
     ctx = ServingContext(engine, engine.model_name, engine.max_model_len, metrics,
-                         cfg.max_waiting_requests)
+                         cfg.max_waiting_requests, cfg.limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -50,6 +51,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     _add_routes(app, ctx)
+    install_openapi(app)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(cfg.allowed_origins),
         allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
@@ -96,12 +98,6 @@ def _respond(result: object) -> Response:
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.exception_handler(BodyTooLarge)
-    async def _too_large(_: Request, exc: BodyTooLarge) -> Response:
-        from server.api.errors import error_response
-
-        return error_response(413, str(exc))
-
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         work = create_chat_completion(ctx, body, _request_id(request))
@@ -121,7 +117,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def health() -> Response:
         if not ctx.engine.is_alive:
             raise APIError(503, "the engine loop is not running")
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -137,7 +133,10 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         tok = ctx.engine.tokenizer
         if body.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            tokens = tok.encode_chat(messages, body.add_generation_prompt)
+            try:
+                tokens = tok.encode_chat(messages, body.add_generation_prompt)
+            except ValueError as exc:  # the template refused them, as in chat completions
+                raise APIError(400, str(exc), "messages") from None
         elif body.prompt is not None:
             tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:

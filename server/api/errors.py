@@ -1,9 +1,18 @@
-"""Every failure leaves as OpenAI's error body with the right HTTP status."""
+"""Every failure leaves as OpenAI's error body with the right HTTP status.
+
+The body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``. ``type`` keeps
+vLLM's names (the ``openai`` SDK picks its exception class from the status, not from
+``type``); ``code`` is a short string as OpenAI's specification requires (vLLM sends the
+status as an integer there): a specific one where the failure has one (``model_not_found``,
+``unsupported_parameter``...), else the status's default from ``_CODES``.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,30 +27,50 @@ logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-    405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "BadRequestError",
-    500: "InternalServerError", 503: "ServiceUnavailableError",
+    405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+    422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+}
+# Default ``code`` per status; handlers pass a more specific one where they know it.
+_CODES = {
+    400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+    408: "request_timeout", 413: "request_too_large", 500: "internal_error",
+    503: "service_unavailable",
 }
 
 
 class APIError(Exception):
     """Raised by handlers; carries what the error body needs."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
 
 
 def error_type(status: int) -> str:
     return _TYPES.get(status, HTTPStatus(status).phrase)
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(
-        error=ErrorInfo(message=message, type=error_type(status), param=param, code=status)
-    )
-    return JSONResponse(body.model_dump(), status_code=status)
+def error_code(status: int) -> str:
+    return _CODES.get(status, HTTPStatus(status).phrase.lower().replace(" ", "_"))
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object as a dict (also used outside FastAPI: middleware, protocol)."""
+    info = ErrorInfo(message=message, type=error_type(status), param=param,
+                     code=code or error_code(status))
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=dict(headers) if headers else None)
 
 
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -49,8 +78,10 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
     errors = exc.errors()
     if not errors:
         return str(exc), None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    first = min(errors, key=_relevance)
+    # pydantic names union members and constraint wrappers in ``loc`` ("str",
+    # "list[int]", "function-after[...]"); a client only wants the field's path.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
@@ -58,15 +89,31 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
     return (f"{param}: {message}" if param else message), param
 
 
+def _relevance(error: Any) -> int:
+    """A value that fails a union (``stop: str | list[str]``) fails every member; the error
+    worth reporting is the one about the value (a lone surrogate in item 1), not "Input
+    should be a valid string" from the member it was never meant for."""
+    kind = str(error.get("type", ""))
+    if kind in ("invalid_unicode", "unsupported_content", "value_error"):
+        return 0
+    return 2 if kind.endswith(("_type", "_parsing")) else 1
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool") or "[" in part or part.startswith("function-"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        return error_response(400, message, param)
+        is_json = any(e.get("type") == "json_invalid" for e in exc.errors()[:1])
+        return error_response(400, message, param, "invalid_json" if is_json else None)
 
     @app.exception_handler(ValidationError)
     async def _params_validation(_: Request, exc: ValidationError) -> JSONResponse:
@@ -83,11 +130,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc))
+        return error_response(503, str(exc), code="engine_dead")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        # Starlette's own answers carry headers that belong to them (405's ``Allow``).
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from server.api.connections import ConnectionLimits, protocol_factory
 from server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -70,10 +71,17 @@ class HttpServer:
 
     def __init__(self, app: FastAPI, cfg: ServerConfig,
                  on_deadline: Callable[[], None] | None = None) -> None:
+        limits = ConnectionLimits(header_timeout=cfg.timeout_request_header,
+                                  body_timeout=cfg.timeout_request_body,
+                                  max_connections=cfg.limit_concurrency)
         config = uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
             access_log=not cfg.disable_access_log,
             timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout + FLUSH_SECONDS),
+            timeout_keep_alive=cfg.timeout_keep_alive,
+            # h11 with request deadlines and a JSON 503 connection cap (server/api/
+            # connections.py); uvicorn's own limit_concurrency stays off
+            http=protocol_factory(limits),
         )
         self._server = GracefulServer(config, cfg.shutdown_timeout, on_deadline)
 

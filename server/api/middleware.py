@@ -7,21 +7,17 @@ import json
 import uuid
 from typing import Any
 
+from server.api.errors import error_body
+
 Scope = dict[str, Any]
 
 
-def _json_error(status: int, message: str, type_: str) -> tuple[dict, bytes]:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None,
-                                 "code": status}}).encode()
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())]}
-    return start, body
-
-
-async def _reply(send: Any, status: int, message: str, type_: str) -> None:
-    start, body = _json_error(status, message, type_)
-    await send(start)
+async def _reply(send: Any, status: int, message: str, close: bool = False) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:  # the client may still be sending the body we will not read: end the connection
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -55,29 +51,47 @@ class GuardMiddleware:
             given = headers.get("authorization", "")
             expected = f"Bearer {self.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                await _reply(send_with_id, 401, "invalid or missing API key", "AuthenticationError")
+                await _reply(send_with_id, 401, "invalid or missing API key")
                 return
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _reply(send_with_id, 413, f"request body exceeds {self.max_body_bytes} bytes",
-                         "RequestTooLargeError")
+                         close=True)
             return
-        await self.app(scope, self._capped(receive), send_with_id)
+        await self._capped(scope, receive, send_with_id)
 
-    def _capped(self, receive: Any) -> Any:
+    async def _capped(self, scope: Scope, receive: Any, send: Any) -> None:
+        """Counts a body without a length up front (chunked) as it arrives. Once it passes the
+        cap, reading stops with BodyTooLarge and the answer is 413, whatever the app makes
+        of the exception (FastAPI turns any body-reading error into its own 400)."""
         seen = 0
-        limit = self.max_body_bytes
+        too_large = False
+        started = False
 
-        async def wrapped() -> dict:
-            nonlocal seen
+        async def capped_receive() -> dict:
+            nonlocal seen, too_large
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > limit:  # chunked bodies carry no length to check up front
-                    raise BodyTooLarge(limit)
+                if seen > self.max_body_bytes:
+                    too_large = True
+                    raise BodyTooLarge(self.max_body_bytes)
             return message
 
-        return wrapped
+        async def guarded_send(message: dict) -> None:
+            nonlocal started
+            if too_large and not started:
+                return  # the app's answer to the aborted read; the 413 below replaces it
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, capped_receive, guarded_send)
+        except BodyTooLarge:
+            pass  # an app that let it propagate: answered below like the others
+        if too_large and not started:
+            await _reply(send, 413, f"request body exceeds {self.max_body_bytes} bytes",
+                         close=True)
 
 
 class BodyTooLarge(Exception):

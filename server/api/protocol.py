@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from server.api.text_fields import Text, no_tool_calls, text_only_parts
+
+# OpenAI's published ranges (API specification 2.3.0); configurable limits that depend on
+# the deployment (--max-logprobs, --max-stop-strings...) are in request_checks.py.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# top_k beyond the vocabulary is clamped (as vLLM does); beyond int32 it is a typo.
+INT32_MAX = 2**31 - 1
+
+
+StopText = Annotated[Text, Field(min_length=1)]
 
 
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI and vLLM do; known fields are type-checked.
-    model_config = ConfigDict(extra="ignore")
+    # ``Infinity`` / ``NaN`` (which Python's JSON parser accepts) are never valid numbers.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestModel(OpenAIModel):
+    # A request body keeps its unknown fields, so that the ones that would change the
+    # answer (tools, response_format...) can be refused instead of silently ignored.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 def now() -> int:
@@ -23,37 +41,46 @@ class StreamOptions(OpenAIModel):
 
 class TextPart(OpenAIModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    # Declared only to be refused: a conversation with tool calls needs the tools API,
+    # which this server does not implement (the schema says: empty or null).
+    tool_calls: list[Any] | None = Field(None, max_length=0)
+
+    _text_only = field_validator("content", mode="before")(text_only_parts)
+    _no_tool_calls = field_validator("tool_calls", mode="before")(no_tool_calls)
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    model: Text | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    # OpenAI allows 0 (only the most likely token); the engine takes (0, 1], see serving.py
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    stop: StopText | list[StopText] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: Text | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    # vLLM takes any value > 0; below 0.01 the division overflows the logits to inf and the
+    # distribution to NaN (garbage tokens), so such values are refused
+    repetition_penalty: float | None = Field(None, ge=0.01, le=20.0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -61,17 +88,17 @@ class SamplingFields(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class UsageInfo(BaseModel):
@@ -104,6 +131,7 @@ class CompletionLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None  # OpenAI requires the key (null: this model never refuses)
 
 
 class ChatChoice(BaseModel):
@@ -121,7 +149,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
+    system_fingerprint: str
 
 
 class DeltaMessage(BaseModel):
@@ -144,7 +172,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str
 
 
 class CompletionChoice(BaseModel):
@@ -162,7 +190,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str
 
 
 class ModelCard(BaseModel):
@@ -180,9 +208,9 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -194,7 +222,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
@@ -206,7 +234,11 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: str | None = None  # OpenAI: a string or null (vLLM sends the status as an int)
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
 
 
 class ErrorResponse(BaseModel):

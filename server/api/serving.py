@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
-from server.api.errors import APIError, error_type, stream_error
-from server.api.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
+import server
+from server.api.errors import APIError, error_body, stream_error
+from server.api.protocol import SamplingFields, UsageInfo
+from server.config import RequestLimits
 from server.engine.llm_engine import EngineStats
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
@@ -63,15 +68,27 @@ class ServingContext:
     max_model_len: int
     metrics: ServerMetrics
     max_waiting_requests: int  # 0 = unbounded
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def check_model(ctx: ServingContext, name: str | None) -> None:
     if name is not None and name != ctx.model_name:
-        raise APIError(404, f"The model `{name}` does not exist.", "model")
+        raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+
+LOGPROB_FLOOR = -9999.0
+
+
+@functools.lru_cache(maxsize=8)
+def system_fingerprint(model_name: str) -> str:
+    """OpenAI's ``system_fingerprint``: changes when the server version or the model does, so
+    that a client comparing seeded outputs knows when the backend changed."""
+    digest = hashlib.sha256(model_name.encode()).hexdigest()[:8]
+    return f"fp_hpu-serve-{server.__version__}-{digest}"
 
 
 def build_sampling_params(
-    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int
 ) -> SamplingParams:
     """OpenAI/vLLM request fields -> engine params; bad values surface as pydantic errors
     naming the field (answered with 400)."""
@@ -81,6 +98,13 @@ def build_sampling_params(
             bias = {int(k): float(v) for k, v in req.logit_bias.items()}
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
+    temperature = req.temperature
+    top_p = req.top_p
+    if top_p == 0.0:  # OpenAI: only the most likely token (the engine takes top_p in (0, 1])
+        temperature, top_p = 0.0, None
+    top_k = req.top_k
+    if top_k is not None and top_k >= vocab_size:
+        top_k = 0  # every token is in the top k: disabled, as vLLM clamps it to the vocabulary
     fields: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -89,7 +113,7 @@ def build_sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
     )
-    optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+    optional = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                     min_p=req.min_p, repetition_penalty=req.repetition_penalty)
     fields.update({k: v for k, v in optional.items() if v is not None})
     return SamplingParams(**fields)
@@ -197,9 +221,7 @@ async def guarded_sse(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield item
     except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
         status, message = stream_error(exc)
-        body = ErrorResponse(error=ErrorInfo(message=message, type=error_type(status),
-                                             param=None, code=status))
-        yield sse(body.model_dump_json())
+        yield sse(json.dumps(error_body(status, message), ensure_ascii=False))
         yield sse("[DONE]")
 
 
@@ -219,7 +241,15 @@ def sse_chunk(body: BaseModel) -> str:
     for choice in data.get("choices", []):
         choice.setdefault("finish_reason", None)
         choice.setdefault("logprobs", None)
-    return sse(json.dumps(data, ensure_ascii=False))
+    # allow_nan=False: a NaN must fail the stream (an error event), never go out as
+    # "NaN", which no JSON parser accepts
+    return sse(json.dumps(data, ensure_ascii=False, allow_nan=False))
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (and NaN, from a degenerate distribution) become
+    -9999.0, the floor vLLM reports for -inf."""
+    return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
 def created_now() -> int:

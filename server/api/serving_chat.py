@@ -18,6 +18,7 @@ from server.api.protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from server.api.request_checks import check_limits, check_messages, reject_unsupported
 from server.api.serving import (
     MetricsTap,
     ServingContext,
@@ -25,9 +26,11 @@ from server.api.serving import (
     build_sampling_params,
     check_model,
     created_now,
+    json_logprob,
     sse,
     sse_chunk,
     submit,
+    system_fingerprint,
     tapped,
     usage,
 )
@@ -38,10 +41,17 @@ async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, request_id: str
 ) -> ChatCompletionResponse | AsyncIterator[str]:
     check_model(ctx, req.model)
+    reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_sampling_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    check_messages(ctx.limits, len(req.messages))
+    check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=1,
+                 max_tokens=max_tokens, logprobs=logprobs, logprobs_field="top_logprobs",
+                 max_tokens_field="max_completion_tokens" if req.max_completion_tokens
+                 else "max_tokens")
+    params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:
         prompt_ids = await asyncio.to_thread(
@@ -68,6 +78,7 @@ async def create_chat_completion(
     return ChatCompletionResponse(
         id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
         usage=usage(len(final.prompt_token_ids), final.num_generated_tokens),
+        system_fingerprint=system_fingerprint(ctx.model_name),
     )
 
 
@@ -77,7 +88,9 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
 
     def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
         body = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name,
-                                   choices=choices, **extra)
+                                   choices=choices,
+                                   system_fingerprint=system_fingerprint(ctx.model_name),
+                                   **extra)
         return sse_chunk(body)
 
     for i in range(n):
@@ -114,9 +127,10 @@ def _logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:
     for e in entries:
         text = tok.token_str(e.token_id)
         content.append(ChatLogprob(
-            token=text, logprob=e.logprob, bytes=list(text.encode("utf-8")),
+            token=text, logprob=json_logprob(e.logprob), bytes=list(text.encode("utf-8")),
             top_logprobs=[
-                TopLogprob(token=(s := tok.token_str(t)), logprob=lp, bytes=list(s.encode()))
+                TopLogprob(token=(s := tok.token_str(t)), logprob=json_logprob(lp),
+                           bytes=list(s.encode()))
                 for t, lp in e.top
             ],
         ))

@@ -11,16 +11,19 @@ from server.api.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from server.api.request_checks import check_limits, reject_unsupported
 from server.api.serving import (
     MetricsTap,
     ServingContext,
     build_sampling_params,
     check_model,
     created_now,
+    json_logprob,
     merge,
     sse,
     sse_chunk,
     submit,
+    system_fingerprint,
     tapped,
     usage,
 )
@@ -41,12 +44,18 @@ async def create_completion(
     ctx: ServingContext, req: CompletionRequest, request_id: str
 ) -> CompletionResponse | AsyncIterator[str]:
     check_model(ctx, req.model)
+    reject_unsupported(req, chat=False)
     if req.suffix:
-        raise APIError(400, "suffix is not supported", "suffix")
+        raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
     if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
-    params = build_sampling_params(req, req.max_tokens, req.logprobs)
+        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo",
+                       "unsupported_parameter")
     prompts = _prompts(req.prompt)
+    check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=len(prompts),
+                 max_tokens=req.max_tokens, max_tokens_field="max_tokens",
+                 logprobs=req.logprobs, logprobs_field="logprobs")
+    params = build_sampling_params(req, req.max_tokens, req.logprobs,
+                                   ctx.engine.tokenizer.vocab_size)
     streams = []
     try:
         for i, prompt in enumerate(prompts):
@@ -79,7 +88,8 @@ async def create_completion(
     prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
     generated = sum(o.num_generated_tokens for o in finals.values())
     return CompletionResponse(id=response_id, created=created_now(), model=ctx.model_name,
-                              choices=choices, usage=usage(prompt_tokens, generated))
+                              choices=choices, usage=usage(prompt_tokens, generated),
+                              system_fingerprint=system_fingerprint(ctx.model_name))
 
 
 async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput]],
@@ -94,7 +104,9 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
 
     def chunk(choices: list[CompletionChoice], **extra: object) -> str:
         body = CompletionResponse(id=response_id, created=created, model=ctx.model_name,
-                                  choices=choices, **extra)
+                                  choices=choices,
+                                  system_fingerprint=system_fingerprint(ctx.model_name),
+                                  **extra)
         return sse_chunk(body)
 
     async for i, out in merge(streams):
@@ -138,8 +150,8 @@ def _logprobs(ctx: ServingContext, entries: list[TokenLogprob], offset: int) -> 
     for e in entries:
         text = tok.token_str(e.token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(e.logprob)
-        result.top_logprobs.append({tok.token_str(t): lp for t, lp in e.top})
+        result.token_logprobs.append(json_logprob(e.logprob))
+        result.top_logprobs.append({tok.token_str(t): json_logprob(lp) for t, lp in e.top})
         result.text_offset.append(offset)
         offset += len(text)
     return result

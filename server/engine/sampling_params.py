@@ -19,10 +19,13 @@ class SamplingParams(BaseModel):
 
     n: int = Field(1, ge=1, le=128, description="completions to generate per prompt")
     max_tokens: int | None = Field(16, ge=1, description="None: up to the context length")
-    min_tokens: int = Field(0, ge=0, description="EOS and stop conditions ignored before this")
+    # int32 bounds (here and on top_k): beyond them a value is a typo, and a top_k of 2**63
+    # would overflow the sampler's int64 tensor
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1,
+                            description="EOS and stop conditions ignored before this")
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, description="-1 or 0 disables")
+    top_k: int = Field(-1, le=2**31 - 1, description="-1 or 0 disables")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     # OpenAI's range (int64); the generator takes no more.
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)

@@ -39,7 +39,7 @@ def test_api_key_protects_v1_only(tiny_model, start_server_fn, tiny_flags) -> No
         url = srv.base_url + "/v1/models"
         missing = httpx.get(url)
         assert missing.status_code == 401
-        assert missing.json()["error"]["code"] == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer sekret"}).status_code == 200
         for open_path in ("/health", "/metrics", "/version"):

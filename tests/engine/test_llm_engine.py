@@ -107,6 +107,8 @@ def test_eos_stops_unless_ignored_and_min_tokens(llm: LLM) -> None:
         (dict(temperature="hot"), "temperature"),
         (dict(stop=[1, 2]), "stop"),
         (dict(bogus_field=1), "bogus_field"),
+        (dict(top_k=2**70), "top_k"),  # would overflow the sampler's int64 tensor
+        (dict(min_tokens=10**12), "min_tokens"),
     ],
 )
 def test_bad_sampling_params_are_typed_errors(kwargs: dict, field: str) -> None:

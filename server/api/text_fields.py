@@ -1,0 +1,63 @@
+"""Field types and checks for chat content: valid Unicode only, and only what this text-only,
+tool-less model can read. Each failure names its field (pydantic puts the path in ``loc``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
+from pydantic_core import PydanticCustomError
+
+# What a content part of each non-text type is, for the error message.
+_MEDIA = {
+    "image_url": "images", "input_image": "images", "image": "images",
+    "input_audio": "audio", "audio_url": "audio", "audio": "audio",
+    "video_url": "video", "video": "video",
+    "file": "files", "input_file": "files",
+}
+
+
+def valid_unicode(text: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (``"\\ud800"``); Python keeps it in the str, but
+    no tokenizer, log line or UTF-8 response can hold it, so it is refused here. NUL and
+    every other code point pass: the tokenizer encodes them like any character."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "contains a lone surrogate (U+{code:04X} at index {index}), which is not valid "
+            "Unicode; send text as UTF-8 or as paired \\u escapes",
+            {"code": ord(text[exc.start]), "index": exc.start},
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+
+
+def text_only_parts(content: Any) -> Any:
+    """Refuses image / audio / file content parts before the union is tried, so the client
+    reads "images are not supported" rather than "Input should be a valid string"."""
+    if not isinstance(content, list):
+        return content
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in _MEDIA:
+            raise PydanticCustomError(
+                "unsupported_content",
+                "{media} are not supported by this text-only model (content part {index} "
+                "has type '{kind}'); send text parts only",
+                {"media": _MEDIA[kind], "index": index, "kind": kind},
+            )
+    return content
+
+
+def no_tool_calls(value: Any) -> Any:
+    """Tool calls in the history belong to the tools API, which this server lacks."""
+    if isinstance(value, list) and value:
+        raise PydanticCustomError("unsupported_content",
+                                  "tool calls are not supported by this server")
+    return value

@@ -1,0 +1,163 @@
+"""Connection hygiene against a real server, with raw sockets: stalled headers and bodies
+are cut after their timeouts (408), idle keep-alive connections are closed, the connection
+cap answers a JSON 503, and a chunked body over the size limit is a 413."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_process import TINY_FLAGS, start_server
+
+HEADER_TIMEOUT = 1.5
+BODY_TIMEOUT = 3.0
+KEEP_ALIVE = 1.0
+LIMIT = 3
+MAX_BODY = 4096
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    server = start_server(tiny_model[0], *TINY_FLAGS,
+                          "--timeout-request-header", str(HEADER_TIMEOUT),
+                          "--timeout-request-body", str(BODY_TIMEOUT),
+                          "--timeout-keep-alive", str(KEEP_ALIVE),
+                          "--limit-concurrency", str(LIMIT),
+                          "--max-request-body-bytes", str(MAX_BODY))
+    yield server
+    server.stop()
+
+
+def connect(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    return sock
+
+
+def read_until_closed(sock: socket.socket, limit: float = 20.0) -> tuple[bytes, float]:
+    """Everything the server sends until it closes; and when it closed."""
+    start = time.monotonic()
+    sock.settimeout(limit)
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data, time.monotonic() - start
+        data += chunk
+
+
+def status_and_json(response: bytes) -> tuple[int, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def request_head(path: str = "/v1/completions", length: int = 100) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def healthy(server) -> bool:
+    return httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_a_partial_header_is_cut_after_the_header_timeout(srv) -> None:
+    with connect(srv) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        data, elapsed = read_until_closed(sock)
+    status, body = status_and_json(data)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    assert "headers" in body["error"]["message"]
+    assert HEADER_TIMEOUT * 0.8 < elapsed < HEADER_TIMEOUT + 3
+    assert healthy(srv)
+
+
+def test_a_silent_connection_is_cut_too(srv) -> None:
+    with connect(srv) as sock:
+        data, elapsed = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 408") and elapsed < HEADER_TIMEOUT + 3
+
+
+def test_dribbling_a_header_does_not_extend_the_deadline(srv) -> None:
+    line = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40
+    start = time.monotonic()
+    with connect(srv) as sock:
+        try:
+            for byte in line:  # one byte every 0.1 s: 5 s in all
+                sock.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except OSError:
+            pass  # the server closed the connection
+        data, _ = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 408")
+    assert time.monotonic() - start < HEADER_TIMEOUT + 3
+
+
+def test_a_stalled_body_is_cut_after_the_body_timeout(srv) -> None:
+    with connect(srv) as sock:
+        sock.sendall(request_head(length=100) + b'{"prompt": "hi"')
+        data, elapsed = read_until_closed(sock)
+    status, body = status_and_json(data)
+    assert status == 408 and "body" in body["error"]["message"]
+    assert BODY_TIMEOUT * 0.8 < elapsed < BODY_TIMEOUT + 3
+    assert healthy(srv)
+
+
+def test_a_slow_body_that_keeps_coming_is_served(srv) -> None:
+    payload = json.dumps({"prompt": "hi", "max_tokens": 1}).encode().ljust(60)
+    pieces = [payload[i:i + 10] for i in range(0, len(payload), 10)]
+    with connect(srv) as sock:
+        sock.sendall(request_head(length=len(payload)))
+        for piece in pieces:  # 6 x 0.7 s: longer than either timeout, no pause beyond one
+            time.sleep(0.7)
+            sock.sendall(piece)
+        sock.settimeout(30)
+        data = sock.recv(65536)
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+
+
+def test_an_idle_keep_alive_connection_is_closed(srv) -> None:
+    with connect(srv) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        data, elapsed = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 200") and b'{"status":"ok"}' in data
+    assert elapsed < KEEP_ALIVE + 3
+
+
+def test_the_connection_cap_answers_a_json_503_and_health_stays_up(srv) -> None:
+    time.sleep(KEEP_ALIVE + 0.5)  # connections of earlier tests are gone
+    holders = [connect(srv) for _ in range(LIMIT)]
+    try:
+        for sock in holders:  # each holds its connection: headers in, body still coming
+            sock.sendall(request_head(length=100) + b"{")
+        time.sleep(0.3)
+        refused = httpx.get(srv.base_url + "/v1/models", timeout=10)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["content-type"] == "application/json"
+        assert refused.headers["connection"] == "close"
+        error = refused.json()["error"]
+        assert error["code"] == "too_many_connections" and "--limit-concurrency" in error["message"]
+        assert healthy(srv)  # probes are always served
+    finally:
+        for sock in holders:
+            sock.close()
+    time.sleep(0.3)
+    assert httpx.get(srv.base_url + "/v1/models", timeout=10).status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_is_413(srv) -> None:
+    def chunks() -> Iterator[bytes]:
+        for _ in range(4):
+            yield b" " * 2000
+
+    resp = httpx.post(srv.base_url + "/v1/completions", content=chunks(), timeout=30,
+                      headers={"content-type": "application/json"})
+    assert "content-length" not in resp.request.headers  # it really went chunked
+    assert resp.status_code == 413, resp.text
+    assert resp.json()["error"]["code"] == "request_too_large"
+    small = httpx.post(srv.base_url + "/v1/completions", timeout=30,
+                       content=iter([b'{"prompt": "hi", ', b'"max_tokens": 1}']),
+                       headers={"content-type": "application/json"})
+    assert small.status_code == 200, small.text
