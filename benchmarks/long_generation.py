@@ -94,8 +94,9 @@ def main() -> int:
 
     async def run() -> dict[bool, tuple[list[float], list[float]]]:
         engine.start()
-        ctx = ServingContext(engine, engine.model_name, engine.max_model_len,
-                             ServerMetrics(engine.model_name, engine.stats), 0)
+        core = engine.engine
+        ctx = ServingContext(engine, core.model_name, core.limits.max_model_len,
+                             ServerMetrics(core.model_name, engine.stats), 0)
         results = {}
         for stream in (False, True):
             host.clear()
