@@ -12,7 +12,10 @@ and near the end:
   reaching the client (accumulating a non-streamed answer, or building an SSE chunk).
 
 Both should be flat: anything proportional to the output length so far makes a long
-generation quadratic. Medians over a 100-step window; absolute values vary by machine.
+generation quadratic. With the real model the KV cache grows along the way, and the memory
+traffic of a longer attention slows the host code around it a little; so the engine host
+time is also measured with the model step replaced by a constant token (host work alone).
+Medians over a 100-step window; absolute values vary by machine.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from server.api.serving import ServingContext  # noqa: E402
 from server.api.serving_completion import create_completion  # noqa: E402
 from server.config import make_engine_config  # noqa: E402
 from server.engine.async_engine import AsyncEngine  # noqa: E402
+from server.engine.model_runner import ModelRunnerOutput  # noqa: E402
+from server.engine.sampling_params import SamplingParams  # noqa: E402
 from server.metrics import ServerMetrics  # noqa: E402
 
 
@@ -78,6 +83,28 @@ async def generate(ctx: ServingContext, tokens: int, stream: bool) -> list[float
     return per_output
 
 
+def host_only(engine: AsyncEngine, tokens: int) -> list[float]:
+    """Step times of the engine alone: the model step returns a constant token at once."""
+    core = engine.engine
+    execute = core.runner.execute
+
+    def constant_output(batch):  # noqa: ANN001, ANN202
+        return ModelRunnerOutput([65] * len(batch.seqs), [None] * len(batch.seqs))
+
+    core.runner.execute = constant_output
+    try:
+        core.add_request("host-only", "Once upon a time",
+                         SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0))
+        times = []
+        while core.has_unfinished_requests():
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+        return times
+    finally:
+        core.runner.execute = execute
+
+
 def window(values: list[float], center: int, width: int = 100) -> float:
     lo = max(0, min(center - width // 2, len(values) - width))
     return statistics.median(values[lo:lo + width]) * 1e3
@@ -90,6 +117,7 @@ def main() -> int:
     args = parser.parse_args()
     engine = AsyncEngine.from_config(make_engine_config(model=args.model, max_num_seqs=4,
                                                         max_model_len=args.tokens + 64))
+    alone = engine.call(host_only, engine, args.tokens)
     host = instrument(engine)
 
     async def run() -> dict[bool, tuple[list[float], list[float]]]:
@@ -108,6 +136,9 @@ def main() -> int:
     results = asyncio.run(run())
     end = args.tokens - 100
     print(f"{args.tokens} tokens, medians over 100-step windows (ms)")
+    a0, a1 = window(alone, 100), window(alone, end)
+    print(f"engine host time, model step replaced by a constant: @100 {a0:.4f}  @{end} "
+          f"{a1:.4f}  ratio {a1 / a0:.2f}")
     print(f"{'mode':<13} {'engine host @100':>17} {f'@{end}':>9} {'ratio':>6} "
           f"{'serving CPU @100':>17} {f'@{end}':>9} {'ratio':>6}")
     for stream, (steps, serving) in results.items():
