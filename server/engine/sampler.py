@@ -56,7 +56,8 @@ class SamplingTensors:
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        # beyond the vocabulary top-k keeps everything (vLLM's reading), as disabled does
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         use_penalties = any(
             p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
             for p in params

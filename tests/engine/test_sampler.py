@@ -143,3 +143,17 @@ def test_logprobs_of_processed_logits_sorted_top_k() -> None:
 def test_all_tokens_valid(temperature: float) -> None:
     out = sample(torch.randn(64, V), seqs_for([SamplingParams(temperature=temperature)] * 64))
     assert bool(((out.token_ids >= 0) & (out.token_ids < V)).all())
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token_in_a_mixed_batch() -> None:
+    # One row asks for more tokens than the vocabulary has, its neighbour for two: the first
+    # must behave as top-k disabled, and the batch must not fail.
+    logits = torch.randn(2, V)
+    params = [SamplingParams(temperature=1.0, top_k=10**6),
+              SamplingParams(temperature=1.0, top_k=2)]
+    seen: set[int] = set()
+    for _ in range(200):
+        out = sample(logits, seqs_for(params))
+        seen.add(out.token_ids[0].item())
+        assert out.token_ids[1].item() in logits[1].topk(2).indices.tolist()
+    assert len(seen) > 2
