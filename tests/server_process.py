@@ -47,17 +47,22 @@ class ServerProcess:
 
 
 FAULT_SERVER = str(Path(__file__).with_name("fault_server.py"))
+STANDIN_SERVER = str(Path(__file__).with_name("standin_server.py"))
 
 
 def start_server(model: str | None, *flags: str, env: dict[str, str] | None = None,
-                 wait: bool = True, fault: str | None = None) -> ServerProcess:
-    """``fault``: run tests/fault_server.py with HPU_SERVE_TEST_FAULT set to it."""
+                 wait: bool = True, fault: str | None = None,
+                 script: str | None = None) -> ServerProcess:
+    """``fault``: run tests/fault_server.py with HPU_SERVE_TEST_FAULT set to it;
+    ``script``: run that launcher (e.g. tests/standin_server.py) instead of ``-m server``."""
     port = free_port()
     log_path = Path(tempfile.mkdtemp()) / "server.log"
-    launcher = ["-m", "server"] if fault is None else [FAULT_SERVER]
     if fault is not None:
-        env = dict(env or {}, HPU_SERVE_TEST_FAULT=fault,
-                   PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        script = FAULT_SERVER
+        env = dict(env or {}, HPU_SERVE_TEST_FAULT=fault)
+    launcher = ["-m", "server"] if script is None else [script]
+    if script is not None:
+        env = dict(env or {}, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     args = [sys.executable, *launcher, "serve"] + ([model] if model else [])
     args += ["--host", "127.0.0.1", "--port", str(port), *flags]
     full_env = dict(os.environ, **(env or {}))

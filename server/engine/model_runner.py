@@ -130,6 +130,7 @@ class ModelRunner:
         sampling = SamplingTensors.build(seqs, self.vocab_size, self.eos_token_ids,
                                          self.platform.device)
         out = self.sampler(logits, sampling)
+        self.graphs.sync("sampler")
         return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, seqs))
 
     def _bucket(self, phase: Phase, seqs: list[Sequence]) -> Bucket:

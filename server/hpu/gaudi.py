@@ -7,10 +7,14 @@ The only module that imports the Habana bridge; importing it never requires the 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from dataclasses import fields
+from typing import TypeVar
 
 import torch
 
 from server.config import DeviceConfig, ExecutionMode
+from server.hpu.attention import AttentionMetadata
 from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import (
     CompiledRunner,
@@ -22,35 +26,106 @@ from server.hpu.graph_runner import (
 from server.hpu.platform import Platform
 from server.hpu.types import Bucket, Phase
 
+T = TypeVar("T")
+
+
+# AttentionMetadata's tensor fields, in order; the others (is_prompt, block_size) are plain
+# values that select the graph.
+_META_TENSORS = tuple(f.name for f in fields(AttentionMetadata)
+                      if f.name not in ("is_prompt", "block_size"))
+FlatInputs = tuple[tuple[torch.Tensor | None, ...], tuple[bool, int]]
+
+
+def flatten_inputs(inputs: ForwardInputs) -> FlatInputs:
+    """A step's inputs as the bridge can take them: a tuple of tensors and a tuple of plain
+    values. HPU graphs are keyed by hashing the call's arguments (a dataclass is not
+    hashable) and on replay only tensors reached through tuples, lists and dicts are copied
+    into the captured graph: tensors inside an object would keep their captured values."""
+    meta = inputs.meta
+    tensors = (inputs.input_ids, inputs.positions, inputs.logits_indices,
+               *(getattr(meta, name) for name in _META_TENSORS))
+    return tensors, (meta.is_prompt, meta.block_size)
+
+
+def unflatten_inputs(tensors: tuple[torch.Tensor | None, ...],
+                     static: tuple[bool, int]) -> ForwardInputs:
+    input_ids, positions, logits_indices, *meta_tensors = tensors
+    assert input_ids is not None and positions is not None and logits_indices is not None
+    meta = AttentionMetadata(static[0], static[1],
+                             **dict(zip(_META_TENSORS, meta_tensors)))  # type: ignore[arg-type]
+    return ForwardInputs(input_ids, positions, meta, logits_indices, input_ids.shape[0])
+
+
+class ForwardModule(torch.nn.Module):
+    """The step's forward as the module HPU graphs wrap, taking :func:`flatten_inputs`."""
+
+    def __init__(self, forward: ForwardFn) -> None:
+        super().__init__()
+        self.step_forward = forward
+
+    def forward(self, tensors: tuple[torch.Tensor | None, ...],
+                static: tuple[bool, int]) -> torch.Tensor:
+        return self.step_forward(unflatten_inputs(tensors, static))
+
 
 class HpuLazyRunner(GraphRunner):
-    """Gaudi lazy mode (``PT_HPU_LAZY_MODE=1``): ops accumulate until ``mark_step`` and each
-    new shape compiles a recipe, so every bucket is warmed even without graphs. With graphs
-    the model is wrapped in HPU graphs, which record each shape on its first run: every
-    warmed bucket is then replayed as a graph. Compilations are read from the bridge's
-    ``graph_compilation`` metric."""
+    """Gaudi lazy mode (``PT_HPU_LAZY_MODE=1``), as the reference runs it: ops accumulate
+    until ``mark_step``, each new shape compiles a recipe, so every bucket is warmed (run
+    once, outside graphs) before serving; with graphs, warmup then captures HPU graphs
+    within the ``VLLM_GRAPH_RESERVED_MEM`` budget and buckets left uncaptured keep running
+    outside graphs (``bypass_hpu_graphs``). Compilations are read from the bridge's
+    ``graph_compilation`` metric around each step."""
 
-    def __init__(self, forward: ForwardFn, counters: DeviceCounters, module: torch.nn.Module,
-                 use_graphs: bool) -> None:
+    def __init__(self, forward: ForwardFn, counters: DeviceCounters, use_graphs: bool) -> None:
         super().__init__(forward, counters)
         import habana_frameworks.torch as htorch
         from habana_frameworks.torch.hpu.metrics import metric_global
 
         self.mode = ExecutionMode.GRAPHS if use_graphs else ExecutionMode.EAGER
         self.description = "HPU graphs" if use_graphs else "HPU lazy mode"
-        self._htorch = htorch
+        self.captures_graphs = use_graphs
+        self._mark_step = htorch.core.mark_step
         self._metric = metric_global("graph_compilation")
-        if use_graphs:
-            htorch.hpu.wrap_in_hpu_graph(module, disable_tensor_cache=True)
+        # Wrapped even without graphs: a bypassed call is the module run as is, and the
+        # bridge's graph tooling sees every step either way.
+        self._module = htorch.hpu.wrap_in_hpu_graph(ForwardModule(forward),
+                                                    disable_tensor_cache=True)
+        self._captured: set[tuple[Phase, Bucket]] = set()
+
+    def warm(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
+        self._step(phase, inputs, use_graph=False)  # the recipe; a graph comes with capture
+        self.warmed[phase].add(bucket)
+
+    def capture(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
+        self._step(phase, inputs, use_graph=True)  # the first graphed run records the graph
+        self._captured.add((phase, bucket))
+
+    def can_replay(self, phase: Phase, bucket: Bucket) -> bool:
+        return (phase, bucket) in self._captured
 
     def run(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> torch.Tensor:
-        before = dict(self._metric.stats()).get("TotalNumber", 0)
-        out = self.forward(inputs)
-        self._htorch.core.mark_step()
-        after = dict(self._metric.stats()).get("TotalNumber", 0)
+        return self._step(phase, inputs, use_graph=self.can_replay(phase, bucket))
+
+    def sync(self, phase: str) -> None:
+        """Closes the lazy graph of the work issued since the last step (sampling)."""
+        self._counted(phase, lambda: None)
+
+    def _step(self, phase: Phase, inputs: ForwardInputs, use_graph: bool) -> torch.Tensor:
+        tensors, static = flatten_inputs(inputs)
+        return self._counted(phase, lambda: self._module(tensors, static,
+                                                          bypass_hpu_graphs=not use_graph))
+
+    def _counted(self, phase: str, work: Callable[[], T]) -> T:
+        before = self._compilations()
+        out = work()
+        self._mark_step()
+        after = self._compilations()
         if after > before:
             self.counters.compiled(phase, int(after - before))
         return out
+
+    def _compilations(self) -> float:
+        return dict(self._metric.stats()).get("TotalNumber", 0)
 
 
 class HpuPlatform(Platform):
@@ -79,10 +154,11 @@ class HpuPlatform(Platform):
     def graph_runner(self, mode: ExecutionMode, forward: ForwardFn, counters: DeviceCounters,
                      model: torch.nn.Module, cfg: DeviceConfig) -> GraphRunner:
         if cfg.hpu_lazy_mode:  # lazy mode compiles recipes even without graphs: count them
-            return HpuLazyRunner(forward, counters, model,
-                                 use_graphs=mode is ExecutionMode.GRAPHS)
+            return HpuLazyRunner(forward, counters, use_graphs=mode is ExecutionMode.GRAPHS)
         if mode is ExecutionMode.EAGER:
             return EagerRunner(forward, counters)
+        import habana_frameworks.torch  # noqa: F401 - registers the hpu_backend compiler
+
         return CompiledRunner(forward, counters, backend="hpu_backend")
 
 

@@ -74,6 +74,11 @@ class GraphRunner(ABC):
         del phase, bucket
         return False
 
+    def sync(self, phase: str) -> None:
+        """Ends the device work issued since the last step (sampling, on a device that
+        queues ops lazily) and counts what that compiled under ``phase``."""
+        del phase
+
 
 class EagerRunner(GraphRunner):
     """``--enforce-eager``: plain PyTorch, no graphs."""

@@ -76,7 +76,7 @@ def run_warmup(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner, hook
             counters.set_buckets(phase, "captured", len(ordered) if runner.mode is not ExecutionMode.EAGER else 0)
     if runner.captures_graphs:
         _capture_graphs(buckets, runner, hooks, counters, cfg)
-    _warm_sampler(buckets, hooks)
+    _warm_sampler(buckets, runner, hooks)
     seconds = time.monotonic() - start
     counters.set_warmup_seconds(seconds)
     counters.stage = "serving"
@@ -128,7 +128,8 @@ def _capture_graphs(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
                     len(captured), share, used / GiB, sorted(captured))
 
 
-def _warm_sampler(buckets: dict[Phase, Sequence[Bucket]], hooks: WarmupHooks) -> None:
+def _warm_sampler(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
+                  hooks: WarmupHooks) -> None:
     sizes = [1] + sorted({b[0] for b in buckets[Phase.DECODE]} - {1})
     logger.info("Warming up sampler with batch sizes: %s and following configs:", sizes)
     for changed in (True, False):
@@ -139,4 +140,5 @@ def _warm_sampler(buckets: dict[Phase, Sequence[Bucket]], hooks: WarmupHooks) ->
     for bs in sizes:
         for config in distinct_sampler_paths(SAMPLER_CONFIGS):
             hooks.run_sampler(bs, config)
+            runner.sync("sampler")
     logger.info("Sampler warmup completed successfully")
