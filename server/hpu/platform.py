@@ -9,6 +9,7 @@ their own memory query, default execution mode, graph runners, model preparation
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,6 +22,9 @@ from server.hpu.graph_runner import CompiledRunner, EagerRunner, ForwardFn, Grap
 from server.hpu.layer_ops import TorchLayerOps
 
 PLUGIN_GROUP = "hpu_serve.platform_plugins"
+# The built-ins' entry points, as pyproject.toml declares them.
+BUILTIN_PLUGINS = {"hpu": "server.hpu.gaudi:hpu_plugin", "cuda": "server.hpu.cuda:cuda_plugin",
+                   "cpu": "server.hpu.cpu.platform:cpu_plugin"}
 # Preference of ``--device auto`` among the built-ins; third parties come before the CPU.
 _BUILTIN_ORDER = ("hpu", "cuda")
 
@@ -102,11 +106,9 @@ def discover_platforms() -> dict[str, Platform | None]:
         except Exception:  # a broken plugin must not take the server down
             found[ep.name] = None
     if "cpu" not in found:  # running from a source tree without installed metadata
-        from server.hpu.cpu.platform import cpu_plugin
-        from server.hpu.cuda import cuda_plugin
-        from server.hpu.gaudi import hpu_plugin
-
-        found.update(hpu=hpu_plugin(), cuda=cuda_plugin(), cpu=cpu_plugin())
+        for name, target in BUILTIN_PLUGINS.items():
+            module, _, function = target.partition(":")
+            found[name] = getattr(importlib.import_module(module), function)()
     return found
 
 

@@ -73,3 +73,13 @@ def test_cli_lists_platforms_and_prints_bucket_plans(fake_plugin_dir) -> None:
                          text=True, env=dict(env, VLLM_BUCKETING_STRATEGY="lin",
                                              VLLM_PROMPT_SEQ_BUCKET_MAX="512"))
     assert "Generated 4 prompt buckets" in out.stdout
+
+
+def test_builtin_fallback_names_the_entry_points_of_pyproject() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from server.hpu.platform import BUILTIN_PLUGINS, PLUGIN_GROUP
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["entry-points"][PLUGIN_GROUP]
+    assert declared == BUILTIN_PLUGINS
