@@ -3,34 +3,12 @@ the EngineDown alert rule reads."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.api.app import build_app
 from server.config import ServerConfig
-
-
-class FakeEngine:
-    tokenizer = None
-    model_name = "m"
-    max_model_len = 64
-
-    def __init__(self) -> None:
-        self.is_alive = True
-        self.metrics_registry = CollectorRegistry()
-
-    def start(self) -> None:
-        pass
-
-    async def shutdown(self) -> None:
-        pass
-
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(num_running=0, num_waiting=0, kv_cache_usage=0.0,
-                               num_preemptions=0)
 
 
 def engine_up(client: TestClient) -> float:
@@ -38,7 +16,7 @@ def engine_up(client: TestClient) -> float:
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "hpu_serve:engine_up"]
     assert len(samples) == 1
-    assert samples[0].labels == {"model_name": "m"}
+    assert samples[0].labels == {"model_name": "fake-model"}
     return samples[0].value
 
 
