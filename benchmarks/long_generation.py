@@ -46,10 +46,10 @@ def instrument(engine: AsyncEngine) -> list[float]:
     execute, step = core.runner.execute, core.step
     spent = [0.0]
 
-    def timed_execute(batch):  # noqa: ANN001, ANN202
+    def timed_execute(batch, token_bitmask=None):  # noqa: ANN001, ANN202
         start = time.perf_counter()
         try:
-            return execute(batch)
+            return execute(batch, token_bitmask)
         finally:
             spent[0] += time.perf_counter() - start
 
@@ -88,7 +88,7 @@ def host_only(engine: AsyncEngine, tokens: int) -> list[float]:
     core = engine.engine
     execute = core.runner.execute
 
-    def constant_output(batch):  # noqa: ANN001, ANN202
+    def constant_output(batch, token_bitmask=None):  # noqa: ANN001, ANN202
         return ModelRunnerOutput([65] * len(batch.seqs), [None] * len(batch.seqs))
 
     core.runner.execute = constant_output

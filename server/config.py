@@ -222,6 +222,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto",
                         help="auto, or a platform name: hpu, cuda, cpu or a plugin's")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--structured-outputs-backend", "--guided-decoding-backend",
+                        dest="structured_outputs_backend", default="auto",
+                        choices=["auto", "xgrammar"],
+                        help="grammar engine of response_format / guided_* / "
+                             "structured_outputs (auto: xgrammar)")
     parser.add_argument("--execution-mode", default="auto",
                         choices=["auto", "eager", "compile", "graphs"],
                         help="auto: HPU/CUDA graphs on accelerators, eager on CPU")

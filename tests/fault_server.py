@@ -23,7 +23,7 @@ FAULT = os.environ.get("HPU_SERVE_TEST_FAULT", "")
 _execute = ModelRunner.execute
 
 
-def faulty_execute(self: ModelRunner, batch):  # noqa: ANN001, ANN201
+def faulty_execute(self: ModelRunner, batch, token_bitmask=None):  # noqa: ANN001, ANN201
     if FAULT == "device":
         raise RuntimeError("device lost")
     if FAULT.startswith("slow:"):
@@ -32,7 +32,7 @@ def faulty_execute(self: ModelRunner, batch):  # noqa: ANN001, ANN201
         token = int(FAULT.split(":", 1)[1])
         if any(token in s.prompt_token_ids for s in batch.seqs):
             raise OverflowError("value out of range for the native kernel")
-    return _execute(self, batch)
+    return _execute(self, batch, token_bitmask)
 
 
 ModelRunner.execute = faulty_execute  # type: ignore[method-assign]

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 from server.engine.block_manager import blocks_for
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import RequestError
 from server.engine.output_processor import RequestState
 from server.engine.outputs import CompletionOutput, RequestMetrics
-from server.engine.sampling_params import SamplingParams
+from server.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from server.engine.scheduler import SchedulerLimits
 from server.engine.sequence import Sequence
+from server.engine.structured_outputs import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
+
+# The structured-outputs backend, built on first use (reading a vocabulary takes a moment).
+StructuredOutputsSource = Callable[[], StructuredOutputs]
 
 
 class InputProcessor:
@@ -27,8 +32,9 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: SchedulerLimits,
-                 block_size: int, num_blocks: int) -> None:
+                 block_size: int, num_blocks: int, structured: StructuredOutputsSource) -> None:
         self.tokenizer = tokenizer
+        self.structured = structured
         self.vocab_size = vocab_size
         self.limits = limits
         self.block_size = block_size
@@ -45,6 +51,8 @@ class InputProcessor:
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now)
                 for i in range(params.n)]
+        if params.structured_outputs is not None:
+            self._attach_grammars(seqs, params.structured_outputs)
         return RequestState(
             request_id, prompt_text, prompt_ids, params, seqs,
             [self._detokenizer(prompt_ids, params) for _ in seqs],
@@ -52,6 +60,16 @@ class InputProcessor:
              for i in range(params.n)],
             RequestMetrics(arrival_time=now),
         )
+
+    def _attach_grammars(self, seqs: list[Sequence], spec: StructuredOutputsParams) -> None:
+        """Compiles the constraint here, in the request's worker thread (never on the
+        engine thread), and gives each completion its own matcher."""
+        backend = self.structured()
+        compiled = backend.compile(spec)
+        start_after = (self.tokenizer.encode(spec.start_after, add_special_tokens=False)
+                       if spec.start_after else None)
+        for seq in seqs:
+            seq.grammar = backend.state(compiled, start_after)
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises for what can never be served; fills in ``max_tokens`` when unset."""

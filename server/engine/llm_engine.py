@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -14,12 +15,13 @@ from server.config import EngineConfig
 from server.engine.block_manager import BlockManager
 from server.engine.errors import EngineFaultError, RequestError
 from server.engine.input_processor import InputProcessor
-from server.engine.model_runner import ModelRunner
+from server.engine.model_runner import ModelRunner, ModelRunnerOutput
 from server.engine.output_processor import OutputProcessor, ProcessedStep, RequestState
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerLimits
 from server.engine.sequence import ScheduledBatch, Sequence
+from server.engine.structured_outputs import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
 from server.hpu.counters import DeviceCounters
 from server.hpu.platform import detect_platform
@@ -81,8 +83,11 @@ class LLMEngine:
         assert self.block_manager.pad_block_id == self.runner.pad_block_id
         self.scheduler = Scheduler(self.limits, self.block_manager,
                                    self.runner.prefill_fits if self.runner.shapes else None)
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size,
-                                              self.limits, block_size, self.runner.num_blocks)
+                                              self.limits, block_size, self.runner.num_blocks,
+                                              self.structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.limits.max_model_len)
         self._failed_steps = 0
@@ -91,6 +96,16 @@ class LLMEngine:
             self.runner.num_blocks, block_size, self.runner.num_blocks * block_size,
             self.limits.max_model_len, self.limits.max_num_seqs,
         )
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar backend, built on the first guided request (thread-safe: requests
+        are prepared in worker threads)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputs(
+                    self.tokenizer.hf, self.model_config.vocab_size,
+                    sorted(self.eos_token_ids))
+            return self._structured
 
     @property
     def counters(self) -> DeviceCounters:
@@ -144,11 +159,18 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.monotonic()
         try:
-            result = self.runner.execute(batch)
+            result = self._execute(batch)
         except Exception as exc:
             return self._isolate_failure(batch, exc)
         self._failed_steps = 0
         return self._retire(self.output_processor.process(batch, result))
+
+    def _execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Runs the batch, with the allowed-token mask of its guided sequences."""
+        bitmask = None
+        if self._structured is not None:
+            bitmask = self._structured.bitmask([s.grammar for s in batch.seqs])
+        return self.runner.execute(batch, bitmask)
 
     def _retire(self, processed: ProcessedStep) -> list[RequestOutput]:
         """Frees what the step finished: stopped sequences, and failed requests whole."""
@@ -173,7 +195,7 @@ class LLMEngine:
             if len(by_request) > 1:
                 sub = ScheduledBatch(batch.phase, seqs)
                 try:
-                    result = self.runner.execute(sub)
+                    result = self._execute(sub)
                 except Exception as sub_exc:  # noqa: BLE001 - this request's own fault
                     error = sub_exc
                 else:

@@ -114,7 +114,10 @@ class ModelRunner:
                                                                self.token_budget)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+    def execute(self, batch: ScheduledBatch,
+                token_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+        """One step: ``token_bitmask`` (structured outputs, ``[rows, words]``) restricts
+        the tokens each row may sample."""
         seqs = batch.seqs
         phase = batch.phase
         bucket = self._bucket(phase, seqs)
@@ -128,7 +131,7 @@ class ModelRunner:
         self.counters.tokens(phase, real, inputs.input_ids.numel())
         logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
         sampling = SamplingTensors.build(seqs, self.vocab_size, self.eos_token_ids,
-                                         self.platform.device)
+                                         self.platform.device, token_bitmask)
         out = self.sampler(logits, sampling)
         self.graphs.sync("sampler")
         return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, seqs))

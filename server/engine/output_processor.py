@@ -135,6 +135,8 @@ class OutputProcessor:
             delta.logprobs.append(logprob)
         detok = state.detokenizers[seq.index]
         reason, stop_reason = self._stop_by_token(seq, token_id, params)
+        if seq.grammar is not None and self._grammar_done(seq, token_id) and reason is None:
+            reason = "stop"  # the constraint is complete: nothing more may follow
         text = ""
         if reason is None:
             # EOS / stop token ids never reach the text.
@@ -149,6 +151,16 @@ class OutputProcessor:
             seq.finish_reason = delta.finish_reason = reason
             seq.stop_reason = delta.stop_reason = stop_reason
         delta.text += text
+
+    @staticmethod
+    def _grammar_done(seq: Sequence, token_id: int) -> bool:
+        """Advances the sequence's matcher; True once the grammar has ended."""
+        grammar = seq.grammar
+        if grammar.active and not grammar.terminated:
+            if not grammar.matcher.accept_token(token_id):
+                raise ValueError(f"token {token_id} is not allowed by the request's grammar")
+        grammar.observe(seq.output_token_ids)
+        return grammar.active and grammar.terminated
 
     def _stop_by_token(
         self, seq: Sequence, token_id: int, params: SamplingParams

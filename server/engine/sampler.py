@@ -15,6 +15,7 @@ import torch
 
 from server.engine.outputs import TokenLogprob
 from server.engine.sequence import Sequence
+from server.engine.structured_outputs import apply_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -41,6 +42,8 @@ class SamplingTensors:
     bias_values: torch.Tensor | None
     generators: list[torch.Generator | None]
     num_logprobs: int  # K = max requested top logprobs; -1 when no row wants logprobs
+    # [B, ceil(V / 32)] int32 of allowed tokens (structured outputs); None: no row guided
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -49,6 +52,7 @@ class SamplingTensors:
         vocab_size: int,
         eos_token_ids: set[int] | frozenset[int],
         device: torch.device,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingTensors:
         params = [s.params for s in seqs]
         greedy = [p.temperature == 0.0 for p in params]
@@ -87,6 +91,7 @@ class SamplingTensors:
             bias_values=floats(values) if rows else None,
             generators=[_generator(s, device) for s in seqs],
             num_logprobs=max(wants) if wants else -1,
+            token_bitmask=token_bitmask,
         )
 
 
@@ -110,8 +115,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
+        guided = None
+        if t.token_bitmask is not None:  # first: the logprobs reported are the masked ones
+            logits = guided = apply_bitmask(logits, t.token_bitmask)
         if t.bias_rows is not None:
             logits = logits.index_put((t.bias_rows, t.bias_cols), t.bias_values, accumulate=True)
+            if guided is not None:
+                # min_tokens can forbid the only tokens a grammar allows (its end): the
+                # grammar wins, rather than a row with nothing left to sample
+                dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+                logits = torch.where(dead, guided, logits)
         if t.presence is not None:
             logits = apply_penalties(logits, t)
         logprobs = torch.log_softmax(logits, dim=-1) if t.num_logprobs >= 0 else None

@@ -2,10 +2,51 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Largest top-k logprobs a request may ask for (OpenAI allows 20 on chat).
 MAX_LOGPROBS = 20
+
+
+class StructuredOutputsParams(BaseModel):
+    """One constraint on the generated text (vLLM's ``structured_outputs``): exactly one of
+    a JSON schema, any JSON object, a regex, a choice of strings, an EBNF grammar."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    # ``json`` in vLLM's API (a name pydantic models keep for themselves)
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # The request field this came from, for error messages (response_format, guided_json...)
+    field: str = "structured_outputs"
+    # With a reasoning parser: the constraint starts after this text (e.g. "</think>")
+    start_after: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsParams:
+        given = [name for name in ("json_schema", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, "
+                             f"regex, choice, grammar (got {given or 'none'})")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice must not be empty")
+        return self
+
+    @property
+    def kind(self) -> str:
+        if self.json_schema is not None:
+            return "JSON schema"
+        if self.json_object:
+            return "JSON object"
+        return "regex" if self.regex is not None else (
+            "choice" if self.choice is not None else "grammar")
 
 
 class SamplingParams(BaseModel):
@@ -41,6 +82,7 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -42,6 +42,8 @@ class Sequence:
     # Per-sequence torch.Generator for seeded sampling, created lazily by the sampler; kept
     # here (typed Any) so scheduling code stays torch-free and the RNG survives preemption.
     generator: Any = None
+    # Its structured-outputs matcher (engine.structured_outputs.GrammarState), if any.
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

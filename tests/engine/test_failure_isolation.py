@@ -43,10 +43,10 @@ def run_all(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict:
 def poison_runner(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     execute = engine.runner.execute
 
-    def faulty(batch):  # noqa: ANN001, ANN202
+    def faulty(batch, token_bitmask=None):  # noqa: ANN001, ANN202
         if any(POISON in s.prompt_token_ids for s in batch.seqs):
             raise OverflowError("int too big to convert")  # e.g. a value the native code refuses
-        return execute(batch)
+        return execute(batch, token_bitmask)
 
     monkeypatch.setattr(engine.runner, "execute", faulty)
 
@@ -89,7 +89,7 @@ def test_output_processing_fault_ends_only_its_request(engine: LLMEngine, monkey
 
 
 def test_steps_failing_for_everyone_are_an_engine_fault(engine: LLMEngine, monkeypatch) -> None:
-    def device_lost(batch):  # noqa: ANN001, ANN202
+    def device_lost(batch, token_bitmask=None):  # noqa: ANN001, ANN202
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine.runner, "execute", device_lost)
@@ -121,7 +121,7 @@ def test_async_engine_reports_request_failure_and_death(tiny_model, monkeypatch)
         results = await asyncio.gather(*(collect(r, p) for r, p in PROMPTS.items()))
         alive_after_one_failure = engine.is_alive
 
-        def device_lost(batch):  # noqa: ANN001, ANN202
+        def device_lost(batch, token_bitmask=None):  # noqa: ANN001, ANN202
             raise RuntimeError("device lost")
 
         monkeypatch.setattr(engine.engine.runner, "execute", device_lost)
