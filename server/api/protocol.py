@@ -56,6 +56,41 @@ class ChatMessage(OpenAIModel):
     _no_tool_calls = field_validator("tool_calls", mode="before")(no_tool_calls)
 
 
+# Bounds on what a client may hand the grammar compiler (it runs on the server's CPU).
+MAX_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+
+SpecText = Annotated[Text, Field(max_length=MAX_SPEC_CHARS)]
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str | None = Field(None, max_length=256)
+    description: str | None = None
+    # "schema" in the wire format (a name pydantic models keep for themselves)
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's ``structured_outputs`` object."""
+
+    json_schema: dict[str, Any] | SpecText | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: SpecText | None = None
+    choice: list[Annotated[Text, Field(max_length=4096)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES)
+    grammar: SpecText | None = None
+
+
 class SamplingFields(RequestModel):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
@@ -84,6 +119,15 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # output constraints (server/api/structured.py): at most one per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | SpecText | None = None
+    guided_regex: SpecText | None = None
+    guided_choice: list[Annotated[Text, Field(max_length=4096)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: SpecText | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

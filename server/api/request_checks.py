@@ -27,11 +27,7 @@ def _only(*harmless: Any) -> Callable[[Any, SamplingFields], bool]:
 
 # field -> whether the value changes nothing (then it is accepted and ignored)
 _UNSUPPORTED_ANY: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
-    "response_format": _only({"type": "text"}),
     "prompt_logprobs": _unset,
-    "structured_outputs": _unset,
-    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
-    "guided_grammar": _unset, "guided_decoding_backend": _unset,
     "guided_whitespace_pattern": _unset,
     "logits_processors": _unset,
     "use_beam_search": _unset,

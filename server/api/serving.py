@@ -18,6 +18,7 @@ from pydantic import BaseModel
 import server
 from server.api.errors import APIError, error_body, stream_error
 from server.api.protocol import SamplingFields, UsageInfo
+from server.api.structured import structured_outputs_of
 from server.config import RequestLimits
 from server.engine.llm_engine import EngineStats
 from server.engine.outputs import RequestOutput
@@ -114,7 +115,8 @@ def build_sampling_params(
         skip_special_tokens=req.skip_special_tokens,
     )
     optional = dict(temperature=temperature, top_p=top_p, top_k=top_k,
-                    min_p=req.min_p, repetition_penalty=req.repetition_penalty)
+                    min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                    structured_outputs=structured_outputs_of(req))
     fields.update({k: v for k, v in optional.items() if v is not None})
     return SamplingParams(**fields)
 

@@ -113,21 +113,15 @@ def test_top_k_beyond_the_vocabulary_is_clamped(server) -> None:
 
 
 @pytest.mark.parametrize("path, field, value", [
-    (CHAT, "response_format", {"type": "json_object"}),
-    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (CHAT, "tool_choice", "required"),
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "reasoning_effort", "high"),
-    (CHAT, "guided_json", {"type": "object"}),
-    (CHAT, "structured_outputs", {"regex": "a+"}),
     (CHAT, "logits_processors", ["x"]),
     (CHAT, "prompt_logprobs", 1),
     (CHAT, "chat_template", "{{ messages }}"),
-    (COMPLETIONS, "response_format", {"type": "json_object"}),
     (COMPLETIONS, "best_of", 3),
-    (COMPLETIONS, "guided_regex", "a+"),
 ])
 def test_answer_changing_fields_are_refused_not_ignored(server, path: str, field: str,
                                                         value) -> None:
