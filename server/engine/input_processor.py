@@ -3,6 +3,7 @@ the sequences and per-completion state that the engine will queue."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -66,10 +67,9 @@ class InputProcessor:
         engine thread), and gives each completion its own matcher."""
         backend = self.structured()
         compiled = backend.compile(spec)
-        start_after = (self.tokenizer.encode(spec.start_after, add_special_tokens=False)
-                       if spec.start_after else None)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
         for seq in seqs:
-            seq.grammar = backend.state(compiled, start_after)
+            seq.grammar = backend.state(compiled, spec.start_after or None, decode)
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises for what can never be served; fills in ``max_tokens`` when unset."""

@@ -17,6 +17,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,18 +34,25 @@ BACKENDS = ("auto", "xgrammar")
 class GrammarState:
     """One sequence's matcher, plus what the engine needs to know about it."""
 
-    def __init__(self, matcher: Any, start_after: list[int] | None = None) -> None:
+    def __init__(self, matcher: Any, start_after: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.matcher = matcher
-        # token ids after which the constraint starts (the end of a reasoning section);
-        # None: from the first generated token
+        # the text after which the constraint starts (the end of a reasoning section, such
+        # as "</think>"); None: from the first generated token
         self.start_after = start_after
+        self._decode = decode
         self.active = start_after is None
 
     def observe(self, output_token_ids: list[int]) -> None:
-        """Activates the constraint once the generated text reaches ``start_after``."""
-        if not self.active and self.start_after is not None:
-            n = len(self.start_after)
-            self.active = output_token_ids[-n:] == self.start_after
+        """Activates the constraint once the generated text reaches ``start_after``.
+
+        Compared as text, not as token ids: a marker that is plain text for the tokenizer
+        merges with its neighbours differently in context. Every token holds at least one
+        character, so the last ``len(marker)`` tokens are enough to find it."""
+        if self.active or self.start_after is None or self._decode is None:
+            return
+        tail = self._decode(output_token_ids[-len(self.start_after):])
+        self.active = self.start_after in tail
 
     @property
     def terminated(self) -> bool:
@@ -102,8 +110,9 @@ class StructuredOutputs:
         assert spec.grammar is not None
         return compiler.compile_grammar(spec.grammar)
 
-    def state(self, compiled: Any, start_after: list[int] | None = None) -> GrammarState:
-        return GrammarState(self._xgr.GrammarMatcher(compiled), start_after)
+    def state(self, compiled: Any, start_after: str | None = None,
+              decode: Callable[[list[int]], str] | None = None) -> GrammarState:
+        return GrammarState(self._xgr.GrammarMatcher(compiled), start_after, decode)
 
     def bitmask(self, states: list[GrammarState | None]) -> torch.Tensor | None:
         """``[rows, words]`` int32 of allowed tokens, or None when no row is constrained

@@ -38,12 +38,37 @@ def test_bitmask_bits_allow_exactly_their_tokens() -> None:
     assert torch.isfinite(masked[1]).all()
 
 
-def test_grammar_starts_after_its_marker() -> None:
-    state = GrammarState(matcher=None, start_after=[7, 8])
-    state.observe([1, 7])
-    assert not state.active
-    state.observe([1, 7, 8])
+def test_grammar_starts_after_its_marker_as_text() -> None:
+    pieces = {1: "abc", 7: "</th", 8: "ink", 9: ">\n", 10: "x</think>"}
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    state = GrammarState(matcher=None, start_after="</think>", decode=decode)
+    for upto in ([1], [1, 7], [1, 7, 8]):
+        state.observe(upto)
+        assert not state.active
+    state.observe([1, 7, 8, 9])  # the marker split over three tokens
     assert state.active
+    other = GrammarState(matcher=None, start_after="</think>", decode=decode)
+    other.observe([1, 10])  # inside one token with text before it
+    assert other.active
+
+
+def test_constraint_applies_only_after_the_reasoning_end(llm: LLM) -> None:
+    """Free text first (the reasoning), the grammar from the marker on: the marker is a
+    token the model writes anyway, so the text up to it is the unconstrained text."""
+    tok = llm.engine.tokenizer
+    seeded = dict(temperature=1.0, seed=5)  # the same draws: the same text up to the marker
+    free = llm.generate("the quick", SamplingParams(max_tokens=12, ignore_eos=True,
+                                                     **seeded))[0].outputs[0]
+    k = next(k for k in range(2, 12) if tok.decode([free.token_ids[k]]).strip()
+             and tok.decode([free.token_ids[k]]) not in tok.decode(free.token_ids[:k]))
+    marker = tok.decode([free.token_ids[k]])
+    out = llm.generate("the quick", SamplingParams(
+        max_tokens=30, structured_outputs=Spec(regex=r"[0-9]{3}", start_after=marker),
+        **seeded))[0].outputs[0]
+    head, sep, tail = out.text.partition(marker)
+    assert head + sep == tok.decode(free.token_ids[:k + 1])
+    assert re.fullmatch(r"[0-9]{3}", tail), out.text
+    assert out.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("spec, field", [

@@ -55,6 +55,37 @@ def test_zero_compilations_after_warmup_and_eager_parity(engines) -> None:
                for p in ("prompt", "decode")) == 0
 
 
+def test_guided_and_unguided_requests_mixed_cause_no_compilation(engines) -> None:
+    """Grammar masks enter the sampler as a fixed-shape bitmask: a randomized mix of guided
+    and unguided requests replays the warmed-up shapes; unguided rows equal eager's."""
+    from server.engine.sampling_params import StructuredOutputsParams as Spec
+
+    compiled, eager = engines
+    counters = compiled.engine.counters
+    rng = random.Random(1)
+    vocab = compiled.engine.model_config.vocab_size
+    specs = [Spec(regex=r"[0-9]{2,6}"), Spec(choice=["alpha", "beta", "gamma"]),
+             Spec(json={"type": "object", "properties": {"k": {"enum": [1, 2, 3]}},
+                        "required": ["k"], "additionalProperties": False})]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 64))] for _ in range(60)]
+    params = [SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i, max_tokens=30,
+                             structured_outputs=rng.choice(specs) if i % 2 else None,
+                             ignore_eos=not i % 2)
+              for i in range(60)]
+    start = 0
+    for wave in (1, 4, 15, 40):
+        chunk = slice(start, start + wave)
+        results = compiled.generate(prompts[chunk], params[chunk])
+        reference = eager.generate(prompts[chunk], params[chunk])
+        for p, got, want in zip(params[chunk], results, reference):
+            if p.structured_outputs is None:
+                assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            else:
+                assert got.outputs[0].finish_reason == "stop", got.outputs[0].text
+        start += wave
+    assert counters.compilations(stage="serving") == 0
+
+
 def test_batch_beyond_buckets_is_counted_and_correct(engines) -> None:
     compiled, eager = engines
     counters = compiled.engine.counters
