@@ -1,0 +1,135 @@
+"""Reasoning parsers: split a model's thinking (``reasoning_content``) from its answer
+(``content``), whole or streamed.
+
+``split`` runs the streaming machine over the whole output, so both always agree. Text that
+might be the start of a marker (``"</th"``) is held back until the next piece decides it.
+Reasoning is kept as written (None when empty or only whitespace); the answer loses its
+leading whitespace (the newlines models put after ``</think>``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+def _partial(buf: str, marker: str) -> int:
+    """Length of the longest end of ``buf`` that starts ``marker`` (short of all of it)."""
+    at = buf.find(marker[0], max(0, len(buf) - len(marker) + 1))
+    while at >= 0:
+        if marker.startswith(buf[at:]):
+            return len(buf) - at
+        at = buf.find(marker[0], at + 1)
+    return 0
+
+
+class ReasoningParser:
+    """One instance per completion: ``feed`` pieces of output, then ``finish``."""
+
+    name: ClassVar[str] = ""
+    start: ClassVar[str] = "<think>"
+    end: ClassVar[str] = "</think>"
+    # True when the prompt already opened the reasoning (the output starts inside it)
+    opened_by_prompt: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._state = "start"  # "start" (undecided), "reasoning", "content"
+        self._hold = ""
+        self._ws = ""          # leading whitespace of the reasoning, held until text follows
+        self._reasoned = self._answered = False
+        self._out = ["", ""]
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state == "reasoning" or (self._state == "start" and self.opened_by_prompt)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        p = type(self)()
+        p._run(text)
+        p._end()
+        return p._out[0] or None, p._out[1] or None
+
+    def feed(self, delta_text: str) -> tuple[str, str]:
+        self._run(delta_text)
+        return self._take()
+
+    def finish(self) -> tuple[str, str]:
+        self._end()
+        return self._take()
+
+    def _take(self) -> tuple[str, str]:
+        out, self._out = self._out, ["", ""]
+        return out[0], out[1]
+
+    def _reason(self, s: str) -> None:
+        if s and not self._reasoned:
+            if s.isspace():
+                self._ws += s
+                return
+            s, self._ws, self._reasoned = self._ws + s, "", True
+        self._out[0] += s
+
+    def _answer(self, s: str) -> None:
+        if not self._answered:
+            s = s.lstrip()
+            self._answered = bool(s)
+        self._out[1] += s
+
+    def _run(self, s: str) -> None:
+        if self._state == "start":
+            buf = self._hold + s
+            t = buf.lstrip()
+            if t.startswith(self.start):
+                s, self._state = t[len(self.start):], "reasoning"
+            elif self.start.startswith(t):
+                self._hold = buf
+                return
+            else:
+                s, self._state = buf, "reasoning" if self.opened_by_prompt else "content"
+            self._hold = ""
+        if self._state == "reasoning":
+            buf = self._hold + s
+            k = buf.find(self.end)
+            if k < 0:
+                n = _partial(buf, self.end)
+                self._hold = buf[len(buf) - n:] if n else ""
+                self._reason(buf[:len(buf) - n])
+                return
+            self._hold = ""
+            self._reason(buf[:k])
+            s, self._state = buf[k + len(self.end):], "content"
+        self._answer(s)
+
+    def _end(self) -> None:
+        if self._state == "reasoning" or (self._state == "start" and self.opened_by_prompt):
+            self._reason(self._hold)
+        else:
+            self._answer(self._hold)
+        self._hold = ""
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """The chat template opened ``<think>``: all is reasoning up to ``</think>`` (a ``<think>``
+    the model writes first is dropped); no ``</think>`` at all -> all reasoning."""
+
+    name = "deepseek_r1"
+    opened_by_prompt = True
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """Reasoning only when the output starts with ``<think>`` (unclosed -> all reasoning);
+    otherwise all content (thinking disabled with ``enable_thinking=False``)."""
+
+    name = "qwen3"
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+}
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: "
+                         f"{', '.join(sorted(REASONING_PARSERS))}") from None
