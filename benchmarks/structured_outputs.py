@@ -63,15 +63,30 @@ def check(kind: str, text: str) -> bool:
         return False
 
 
-def validity(llm: LLM, samples: int) -> None:
+def is_json_object_prefix(text: str) -> bool:
+    """Whether a cut output can still be completed to a JSON object (a character-level
+    matcher, independent of the tokenizer and of the server's token masks)."""
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]))
+    grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    return xgr.GrammarMatcher(grammar, terminate_without_stop_token=True).accept_string(text)
+
+
+# Free-form JSON gets room: at temperature 1 a small model's strings can run long.
+MAX_TOKENS = {"nested": 256, "json_object": 768, "regex": 256, "choice": 256}
+
+
+def validity(llm: LLM, samples: int, kinds: list[str]) -> None:
     specs = {"nested": Spec(json=NESTED), "json_object": Spec(json_object=True),
              "regex": Spec(regex=DATE), "choice": Spec(choice=CHOICES)}
+    specs = {k: v for k, v in specs.items() if k in kinds}
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content":
                                          "Reply with a short JSON record of a user."}])
     for kind, spec in specs.items():
         params, prompts = [], []
         for i in range(samples):  # guided and unguided, interleaved: every batch has both
-            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=256,
+            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS[kind],
                                          structured_outputs=spec))
             params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=32))
             prompts += [prompt, prompt]
@@ -80,10 +95,13 @@ def validity(llm: LLM, samples: int) -> None:
         elapsed = time.perf_counter() - start
         complete = [o.outputs[0] for o in outputs if o.outputs[0].finish_reason == "stop"]
         valid = sum(check(kind, c.text) for c in complete)
-        cut = len(outputs) - len(complete)
+        cut = [o.outputs[0].text for o in outputs if o.outputs[0].finish_reason != "stop"]
+        prefixes = sum(is_json_object_prefix(t) for t in cut) if kind == "json_object" else 0
         print(f"{kind:>12}: {valid}/{len(complete)} complete outputs valid "
-              f"({100.0 * valid / max(1, len(complete)):.1f}%), {cut} cut by max_tokens, "
-              f"{elapsed:.1f} s with the unguided half", flush=True)
+              f"({100.0 * valid / max(1, len(complete)):.1f}%), {len(cut)} cut by max_tokens "
+              f"({MAX_TOKENS[kind]})" + (f", {prefixes} of them valid prefixes" if cut and
+                                        kind == "json_object" else "") +
+              f", {elapsed:.1f} s with the unguided half", flush=True)
 
 
 def decode_step_ms(llm: LLM, guided: bool, bs: int = 16, steps: int = 16) -> float:
@@ -136,11 +154,14 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--kinds", default="nested,json_object,regex,choice")
+    parser.add_argument("--validity-only", action="store_true")
     args = parser.parse_args()
     llm = LLM(args.model, max_num_seqs=64, max_model_len=1024)
-    validity(llm, args.samples)
-    mask_cost(llm, args.rounds)
-    compile_cost(llm)
+    validity(llm, args.samples, args.kinds.split(","))
+    if not args.validity_only:
+        mask_cost(llm, args.rounds)
+        compile_cost(llm)
     return 0
 
 

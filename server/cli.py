@@ -93,12 +93,17 @@ def serve(args: argparse.Namespace) -> int:
     """Loads and warms up the engine, then serves; returns the process's exit status:
     0 after a SIGTERM drain, 1 when the engine died (the orchestrator restarts the pod)."""
     from server.api.app import build_app
+    from server.api.chat_output import chat_parsers
     from server.api.http_server import HttpServer
     from server.engine.async_engine import AsyncEngine
 
     init_logging()
     engine_cfg = engine_config_from_args(args)
-    server_cfg = server_config_from_args(args)
+    try:
+        server_cfg = server_config_from_args(args)
+        chat_parsers(server_cfg.chat)  # an unknown parser name fails before the model loads
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     engine = AsyncEngine.from_config(engine_cfg)  # load + KV cache sizing
     # every bucket compiled/captured before the port opens, on the thread that will serve
     engine.call(engine.engine.warmup)

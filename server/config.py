@@ -336,6 +336,19 @@ class RequestLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How chat answers are read back: tool calls and reasoning (vLLM's flag names)."""
+
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" needs a parser too
+    tool_call_parser: str | None = None  # hermes, llama3_json, mistral, pythonic
+    reasoning_parser: str | None = None  # deepseek_r1, qwen3
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """HTTP-side settings of ``hpu-serve serve``."""
 
@@ -352,6 +365,7 @@ class ServerConfig:
     log_level: str = "info"
     disable_access_log: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    chat: ChatOptions = field(default_factory=ChatOptions)
     # Connections (uvicorn's names where it has them)
     timeout_keep_alive: float = 5.0  # idle time between requests on one connection
     timeout_request_header: float = 20.0  # from connect / first byte to the end of headers
@@ -393,6 +407,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-tokens-per-request", type=int, default=131072,
                         help="prompts x n x max_tokens of one request (an unset max_tokens "
                              "counts as the context length)")
+    chat = parser.add_argument_group("tool calls and reasoning")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="let the model decide to call tools (tool_choice auto); needs "
+                           "--tool-call-parser")
+    chat.add_argument("--tool-call-parser", default=None,
+                      help="how the model writes tool calls: hermes, llama3_json, mistral, "
+                           "pythonic")
+    chat.add_argument("--reasoning-parser", default=None,
+                      help="split reasoning_content from content: deepseek_r1, qwen3")
     conns = parser.add_argument_group("connections")
     conns.add_argument("--timeout-keep-alive", type=float, default=5.0,
                        help="seconds an idle keep-alive connection stays open")
@@ -437,6 +460,9 @@ def server_config_from_args(
             max_messages=args.max_messages, max_prompts=args.max_prompts,
             max_tokens_per_request=args.max_tokens_per_request,
         ),
+        chat=ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser),
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_request_header=args.timeout_request_header,
         timeout_request_body=args.timeout_request_body,

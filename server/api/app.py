@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import server
+from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
 from server.api.middleware import GuardMiddleware
 from server.api.openapi import install_openapi
@@ -28,6 +29,7 @@ from server.api.protocol import (
 from server.api.serving import EngineClient, ServingContext, check_model, guarded_sse
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
+from server.api.tools import template_messages
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
 
@@ -37,8 +39,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(engine.model_name, engine.stats, alive=lambda: engine.is_alive)
     # The device layer's registry is itself a collector: folded into one /metrics.
     metrics.registry.register(engine.metrics_registry)
+    tool_parser, reasoning_parser = chat_parsers(cfg.chat)
     ctx = ServingContext(engine, engine.model_name, engine.max_model_len, metrics,
-                         cfg.max_waiting_requests, cfg.limits)
+                         cfg.max_waiting_requests, cfg.limits, cfg.chat, tool_parser,
+                         reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -132,7 +136,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         check_model(ctx, body.model)
         tok = ctx.engine.tokenizer
         if body.messages is not None:
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            messages = template_messages([m.model_dump(exclude_none=True)
+                                          for m in body.messages])
             try:
                 tokens = tok.encode_chat(messages, body.add_generation_prompt)
             except ValueError as exc:  # the template refused them, as in chat completions

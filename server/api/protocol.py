@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from server.api.text_fields import Text, no_tool_calls, text_only_parts
+from server.api.text_fields import Text, text_only_parts
 
 # OpenAI's published ranges (API specification 2.3.0); configurable limits that depend on
 # the deployment (--max-logprobs, --max-stop-strings...) are in request_checks.py.
@@ -44,16 +44,51 @@ class TextPart(OpenAIModel):
     text: Text
 
 
+class FunctionCall(OpenAIModel):
+    name: Text = Field(max_length=256)
+    arguments: Text = Field("{}", max_length=1024 * 1024)  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(OpenAIModel):
+    """A call in an assistant message of the history."""
+
+    id: Text | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
-    # Declared only to be refused: a conversation with tool calls needs the tools API,
-    # which this server does not implement (the schema says: empty or null).
-    tool_calls: list[Any] | None = Field(None, max_length=0)
+    tool_calls: list[ToolCallParam] | None = Field(None, max_length=1024)
+    tool_call_id: Text | None = Field(None, max_length=256)
+    # a previous turn's reasoning, when a client sends it back (templates may use it)
+    reasoning_content: Text | None = None
 
     _text_only = field_validator("content", mode="before")(text_only_parts)
-    _no_tool_calls = field_validator("tool_calls", mode="before")(no_tool_calls)
+
+
+class FunctionDefinition(OpenAIModel):
+    # OpenAI's rule for function names; the name also goes into a grammar
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 # Bounds on what a client may hand the grammar compiler (it runs on the server's CPU).
@@ -136,6 +171,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = Field(None, max_length=256)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # extra variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -172,10 +212,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None  # OpenAI requires the key (null: this model never refuses)
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -196,9 +249,23 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -39,8 +39,6 @@ _UNSUPPORTED_ANY: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
 }
 _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     **_UNSUPPORTED_ANY,
-    "tools": _unset,
-    "tool_choice": _only("none"),
     "functions": _unset,
     "function_call": _only("none"),
     "modalities": _only(["text"]),
@@ -48,8 +46,9 @@ _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     "reasoning_effort": _unset,
     "web_search_options": _unset,
     "verbosity": _unset,
+    # a template from the request runs on the server: refused, as vLLM does unless
+    # --trust-request-chat-template
     "chat_template": _unset,
-    "chat_template_kwargs": _unset,
     "documents": _unset,
     "continue_final_message": _unset,
     "echo": _unset,

@@ -18,8 +18,10 @@ from pydantic import BaseModel
 import server
 from server.api.errors import APIError, error_body, stream_error
 from server.api.protocol import SamplingFields, UsageInfo
+from server.api.reasoning_parsers import ReasoningParser
 from server.api.structured import structured_outputs_of
-from server.config import RequestLimits
+from server.api.tool_parsers import ToolParser
+from server.config import ChatOptions, RequestLimits
 from server.engine.llm_engine import EngineStats
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
@@ -70,6 +72,9 @@ class ServingContext:
     metrics: ServerMetrics
     max_waiting_requests: int  # 0 = unbounded
     limits: RequestLimits = field(default_factory=RequestLimits)
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    tool_parser: type[ToolParser] | None = None  # --tool-call-parser
+    reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser
 
 
 def check_model(ctx: ServingContext, name: str | None) -> None:

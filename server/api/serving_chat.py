@@ -1,11 +1,14 @@
-"""POST /v1/chat/completions: chat template -> engine -> response or SSE chunks."""
+"""POST /v1/chat/completions: chat template (with tools) -> engine -> response or SSE chunks
+(reasoning and tool calls read back by server/api/chat_output.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from server.api.errors import APIError
+from server.api.chat_output import ChoiceReader, DeltaParts
 from server.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -15,7 +18,11 @@ from server.api.protocol import (
     ChatLogprob,
     ChatLogprobs,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     TopLogprob,
 )
 from server.api.request_checks import check_limits, check_messages, reject_unsupported
@@ -34,7 +41,9 @@ from server.api.serving import (
     tapped,
     usage,
 )
+from server.api.tools import ToolPlan, plan_tools, template_messages
 from server.engine.outputs import RequestOutput, TokenLogprob
+from server.engine.sampling_params import SamplingParams
 
 
 async def create_chat_completion(
@@ -51,30 +60,44 @@ async def create_chat_completion(
                  max_tokens=max_tokens, logprobs=logprobs, logprobs_field="top_logprobs",
                  max_tokens_field="max_completion_tokens" if req.max_completion_tokens
                  else "max_tokens")
+    plan = plan_tools(req, ctx.chat, ctx.tool_parser)
+    template_kwargs = _template_kwargs(req.chat_template_kwargs)
     params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
     try:
-        prompt_ids = await asyncio.to_thread(
-            ctx.engine.tokenizer.encode_chat, messages, req.add_generation_prompt
-        )
-    except ValueError as exc:  # no template, unsupported content parts
+        prompt_text = await asyncio.to_thread(
+            ctx.engine.tokenizer.apply_chat_template, messages, req.add_generation_prompt,
+            plan.tools, template_kwargs)
+    except ValueError as exc:  # no template, unsupported content parts, template errors
         raise APIError(400, str(exc), "messages") from None
+    params = _with_tool_constraint(ctx, params, plan, prompt_text)
+    prompt_ids = ctx.engine.tokenizer.encode(prompt_text, add_special_tokens=False)
     stream = tapped(await submit(ctx, request_id, prompt_ids, params), MetricsTap(ctx.metrics, params))
     response_id = f"chatcmpl-{request_id}"
+
+    def reader() -> ChoiceReader:
+        return ChoiceReader(plan, ctx.reasoning_parser)
+
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, stream, response_id, req.n, include_usage)
+        return _stream(ctx, stream, response_id, req.n, include_usage, reader)
     final = await accumulate(stream)
-    choices = [
-        ChatChoice(
+    choices = []
+    for c in final.outputs:
+        read = reader()
+        parts = read.whole(c.text)
+        choices.append(ChatChoice(
             index=c.index,
-            message=AssistantMessage(content=c.text),
+            message=AssistantMessage(
+                content=parts.content or (None if parts.tool_calls or parts.reasoning
+                                          else ""),
+                reasoning_content=parts.reasoning or None,
+                tool_calls=[ToolCallOut(id=t.id, function=FunctionCallOut(
+                    name=t.name, arguments=t.arguments)) for t in parts.tool_calls]),
             logprobs=_logprobs(ctx, c.logprobs) if c.logprobs is not None else None,
-            finish_reason=c.finish_reason,
+            finish_reason=_finish_reason(c.finish_reason, read),
             stop_reason=c.stop_reason,
-        )
-        for c in final.outputs
-    ]
+        ))
     return ChatCompletionResponse(
         id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
         usage=usage(len(final.prompt_token_ids), final.num_generated_tokens),
@@ -82,8 +105,52 @@ async def create_chat_completion(
     )
 
 
+# chat_template_kwargs may not replace what the server itself hands the template
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
+    "chat_template", "return_dict", "return_tensors", "continue_final_message", "padding",
+    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    for name in kwargs or {}:
+        if name in _RESERVED_TEMPLATE_KWARGS:
+            raise APIError(400, f"chat_template_kwargs may not set {name!r}; it has its own "
+                                "request field or is the server's", "chat_template_kwargs")
+    return kwargs
+
+
+def _with_tool_constraint(ctx: ServingContext, params: SamplingParams, plan: ToolPlan,
+                          prompt_text: str) -> SamplingParams:
+    """The forced tool choice's grammar as the request's constraint; with a reasoning parser
+    any constraint starts after the reasoning, unless the prompt already closed it (Qwen3
+    with ``enable_thinking`` off)."""
+    constraint = params.structured_outputs
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {plan.mode!r} fixes the output to tool calls; "
+                                f"{constraint.field} cannot be combined with it",
+                           constraint.field)
+        constraint = plan.constraint
+    update: dict[str, Any] = {}
+    reasoning = ctx.reasoning_parser
+    if constraint is not None and reasoning is not None and \
+            not prompt_text.rstrip().endswith(reasoning.end):
+        constraint = constraint.model_copy(update={"start_after": reasoning.end})
+    if constraint is not params.structured_outputs:
+        update["structured_outputs"] = constraint
+    if plan.mode == "auto" and plan.parser is not None and plan.parser.keeps_special_tokens:
+        update["skip_special_tokens"] = False  # the call markers may be special tokens
+    return params.model_copy(update=update) if update else params
+
+
+def _finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:
+    return "tool_calls" if reason == "stop" and reader.called else reason
+
+
 async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], response_id: str,
-                  n: int, include_usage: bool) -> AsyncIterator[str]:
+                  n: int, include_usage: bool, reader: Callable[[], ChoiceReader]
+                  ) -> AsyncIterator[str]:
     created = created_now()
 
     def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
@@ -95,6 +162,7 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
 
     for i in range(n):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+    readers = [reader() for _ in range(n)]
     final: RequestOutput | None = None
     ended: set[int] = set()
     async for out in stream:
@@ -103,15 +171,21 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
         for c in out.outputs:
             if c.index in ended:
                 continue  # it stays finished in later outputs of an n > 1 request
-            if not (c.text or c.finish_reason or c.logprobs):
-                continue  # nothing to send yet (text held back in case of a stop string)
+            read = readers[c.index]
+            parts = read.feed(c.text) if c.text else DeltaParts()
             if c.finish_reason:
                 ended.add(c.index)
+                tail = read.finish()
+                parts = DeltaParts(parts.reasoning + tail.reasoning,
+                                   parts.content + tail.content,
+                                   parts.tool_calls + tail.tool_calls)
+            if not (parts or c.finish_reason or c.logprobs):
+                continue  # nothing to send yet (text held back: a stop string, a tag...)
             choices.append(ChatStreamChoice(
                 index=c.index,
-                delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                delta=_delta(parts),
                 logprobs=_logprobs(ctx, c.logprobs) if c.logprobs else None,
-                finish_reason=c.finish_reason,
+                finish_reason=_finish_reason(c.finish_reason, read),
                 stop_reason=c.stop_reason,
             ))
         if choices:
@@ -119,6 +193,14 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
     if include_usage and final is not None:
         yield chunk([], usage=usage(len(final.prompt_token_ids), final.num_generated_tokens))
     yield sse("[DONE]")
+
+
+def _delta(parts: DeltaParts) -> DeltaMessage:
+    calls = [DeltaToolCall(index=t.index, id=t.id, type="function" if t.id else None,
+                           function=DeltaFunctionCall(name=t.name, arguments=t.arguments))
+             for t in parts.tool_calls]
+    return DeltaMessage(content=parts.content or None,
+                        reasoning_content=parts.reasoning or None, tool_calls=calls or None)
 
 
 def _logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:

@@ -1,5 +1,5 @@
-"""Field types and checks for chat content: valid Unicode only, and only what this text-only,
-tool-less model can read. Each failure names its field (pydantic puts the path in ``loc``)."""
+"""Field types and checks for chat content: valid Unicode only, and only what this text-only
+model can read. Each failure names its field (pydantic puts the path in ``loc``)."""
 
 from __future__ import annotations
 
@@ -54,10 +54,3 @@ def text_only_parts(content: Any) -> Any:
             )
     return content
 
-
-def no_tool_calls(value: Any) -> Any:
-    """Tool calls in the history belong to the tools API, which this server lacks."""
-    if isinstance(value, list) and value:
-        raise PydanticCustomError("unsupported_content",
-                                  "tool calls are not supported by this server")
-    return value

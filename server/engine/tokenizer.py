@@ -98,31 +98,45 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Prompt text for ``messages``; content may be a str or a list of text parts.
+        ``tools`` (OpenAI's function definitions) and ``template_kwargs`` (variables such as
+        ``enable_thinking``) are handed to the template.
 
-        Raises ``ValueError`` when the tokenizer has no chat template or a part isn't text.
+        Raises ``ValueError`` when the tokenizer has no chat template, a part isn't text,
+        or the template fails on these messages.
         """
         if not self.has_chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; pass --chat-template "
                 "or use the completions API"
             )
-        text = self.hf.apply_chat_template(
-            [_flatten_content(m) for m in messages],
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
+        from jinja2 import TemplateError
+
+        try:
+            text = self.hf.apply_chat_template(
+                [_flatten_content(m) for m in messages],
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
+            )
+        except TemplateError as exc:  # raise_exception() in templates, undefined variables
+            raise ValueError(f"the chat template failed on these messages: {exc}") from None
         if not isinstance(text, str):  # some versions hand back a one-element list
             text = text[0] if isinstance(text, list) and text else str(text)
         return text
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the chat prompt; the template already writes BOS where wanted."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
 

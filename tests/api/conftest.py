@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 
@@ -23,3 +25,17 @@ def client(server):
 @pytest.fixture(scope="module")
 def model_name() -> str:
     return MODEL_NAME
+
+
+HERMES_TEMPLATE = Path(__file__).resolve().parents[2] / "config/chat_templates/chatml_hermes_tools.jinja"
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """The embedded SmolLM2 as an agent backend: its ChatML with tools (the same prompt as
+    its own template when a request has no tools), hermes tool calls."""
+    srv = start_server(None, "--max-num-seqs", "32", "--max-model-len", "1024",
+                       "--chat-template", str(HERMES_TEMPLATE), "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes")
+    yield srv
+    srv.stop()

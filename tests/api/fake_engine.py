@@ -30,9 +30,20 @@ class CharTokenizer:
     def token_str(self, token_id: int) -> str:
         return chr(token_id)
 
+    def __init__(self) -> None:
+        self.template_calls: list[dict[str, Any]] = []  # what the chat template was given
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        self.template_calls.append(dict(messages=messages, tools=tools,
+                                        template_kwargs=template_kwargs))
+        return "|".join(str(m.get("content") or "") for m in messages)
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
                     ) -> list[int]:
-        return self.encode("|".join(str(m.get("content") or "") for m in messages))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 
 def letter(step: int, index: int) -> int:
@@ -43,7 +54,10 @@ class FakeEngine:
     model_name = "fake-model"
     max_model_len = 1024
 
-    def __init__(self) -> None:
+    def __init__(self, script: list[str] | None = None) -> None:
+        """``script``: the model's answer, piece by piece (one piece per step and token,
+        finishing with "stop"), instead of the letters."""
+        self.script = script
         self.tokenizer = CharTokenizer()
         self.metrics_registry = CollectorRegistry()
         self.is_alive = True
@@ -72,6 +86,15 @@ class FakeEngine:
     async def _outputs(self, request_id: str, prompt: str | list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if self.script is not None:
+            for step, piece in enumerate(self.script):
+                last = step == len(self.script) - 1
+                deltas = [CompletionOutput(i, piece, [ord(piece[0])], None,
+                                           "stop" if last else None) for i in range(params.n)]
+                yield RequestOutput(request_id, None, prompt_ids, deltas, last,
+                                    RequestMetrics(arrival_time=0.0),
+                                    num_generated_tokens=(step + 1) * params.n)
+            return
         steps = params.max_tokens or 4
         for step in range(steps):
             last = step == steps - 1

@@ -113,8 +113,6 @@ def test_top_k_beyond_the_vocabulary_is_clamped(server) -> None:
 
 
 @pytest.mark.parametrize("path, field, value", [
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
-    (CHAT, "tool_choice", "required"),
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "reasoning_effort", "high"),
@@ -128,14 +126,6 @@ def test_answer_changing_fields_are_refused_not_ignored(server, path: str, field
     body = {"messages": MSG} if path == CHAT else {"prompt": "x"}
     error = assert_400(post(server, path, **body, **{field: value}), field, "not supported")
     assert error["code"] == "unsupported_parameter"
-
-
-def test_tool_calls_in_history_are_refused(server) -> None:
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "c1", "type": "function",
-                                 "function": {"name": "f", "arguments": "{}"}}]}]
-    assert_400(post(server, CHAT, messages=messages), "messages.1.tool_calls", "tool calls")
 
 
 @pytest.mark.parametrize("path, fields", [

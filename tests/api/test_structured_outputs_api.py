@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_process import start_server
 
 MODEL = "SmolLM2-135M-Instruct"
 DATE = r"\d{4}-\d{2}-\d{2}"
@@ -35,10 +34,8 @@ NESTED = Person.model_json_schema()
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = start_server(None, "--max-num-seqs", "32", "--max-model-len", "1024")
-    yield srv
-    srv.stop()
+def server(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

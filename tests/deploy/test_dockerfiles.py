@@ -71,5 +71,5 @@ def test_cpu_image_pins_a_cpu_torch() -> None:
 
 def test_build_context_carries_what_the_images_copy() -> None:
     ignore = (ROOT / ".dockerignore").read_text().split()
-    for kept in ("!pyproject.toml", "!README.md", "!server/"):
+    for kept in ("!pyproject.toml", "!README.md", "!server/", "!config/chat_templates/"):
         assert kept in ignore
