@@ -43,6 +43,8 @@ _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     "function_call": _only("none"),
     "modalities": _only(["text"]),
     "audio": _unset,
+    # predicted outputs: a latency feature this server does not implement
+    "prediction": _unset,
     "reasoning_effort": _unset,
     "web_search_options": _unset,
     "verbosity": _unset,

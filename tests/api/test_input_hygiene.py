@@ -114,6 +114,8 @@ def test_top_k_beyond_the_vocabulary_is_clamped(server) -> None:
 
 @pytest.mark.parametrize("path, field, value", [
     (CHAT, "functions", [{"name": "f"}]),
+    (CHAT, "prediction", {"type": "content", "content": "draft"}),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "logits_processors", ["x"]),

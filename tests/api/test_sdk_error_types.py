@@ -30,7 +30,9 @@ class StubEngine:
     def __init__(self, failure: BaseException | None) -> None:
         self.failure = failure
         self.is_alive = True
-        self.tokenizer = SimpleNamespace(vocab_size=100, encode_chat=lambda *_: [1, 2, 3])
+        self.tokenizer = SimpleNamespace(vocab_size=100, encode_chat=lambda *_: [1, 2, 3],
+                                         apply_chat_template=lambda *_: "abc",
+                                         encode=lambda *_, **__: [1, 2, 3])
         self.metrics_registry = CollectorRegistry()
 
     def start(self) -> None:

@@ -230,6 +230,24 @@ def test_reasoning_then_a_tool_call() -> None:
         assert reading["reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("last_message, waits", [
+    ("What now?", True),  # the model opens and closes its reasoning: the grammar waits
+    ("<think>\n\n</think>\n\n", False),  # the prompt closed it (enable_thinking off)
+])
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_object"}},
+    {"tools": TOOLS, "tool_choice": "required"},
+])
+def test_constraints_start_after_the_reasoning(fields: dict, last_message: str,
+                                               waits: bool) -> None:
+    client = scripted(["{}"], reasoning_parser="qwen3")
+    client.chat.completions.create(model="fake-model", extra_body=fields, messages=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": last_message}])
+    constraint = client.engine.submitted[-1][2].structured_outputs
+    assert constraint is not None
+    assert constraint.start_after == ("</think>" if waits else None)
+
+
 # --- the real model: required and named choices are grammar-enforced ------------------
 
 @pytest.fixture(scope="module")
