@@ -1,6 +1,7 @@
 """Structured outputs: validity at temperature 1, and what a grammar costs.
 
     python benchmarks/structured_outputs.py [--model PATH] [--samples 200]
+    python benchmarks/structured_outputs.py --http http://127.0.0.1:8000   # a running server
 
 1. Validity: ``--samples`` seeded completions at temperature 1 for each of a nested JSON
    schema (objects, enums, arrays, required fields), a JSON object, a regex (ISO dates) and a
@@ -104,6 +105,57 @@ def validity(llm: LLM, samples: int, kinds: list[str]) -> None:
               f", {elapsed:.1f} s with the unguided half", flush=True)
 
 
+def http_validity(url: str, samples: int, kinds: list[str]) -> None:
+    """The same check through a running server's chat API: every other guided request
+    streamed, all of them in flight at once with as many unguided ones (so they share
+    batches), constraints in OpenAI's and vLLM's forms."""
+    import concurrent.futures
+
+    import httpx
+
+    fields = {"nested": {"response_format": {"type": "json_schema", "json_schema": {
+                  "name": "user", "schema": NESTED, "strict": True}}},
+              "json_object": {"response_format": {"type": "json_object"}},
+              "regex": {"guided_regex": DATE},
+              "choice": {"structured_outputs": {"choice": CHOICES}}}
+    messages = [{"role": "user", "content": "Reply with a short JSON record of a user."}]
+
+    def run(job: tuple[str, int]) -> tuple[str, bool, str, str]:
+        kind, i = job
+        stream = i % 2 == 1
+        body = {"messages": messages, "temperature": 1.0, "seed": i, "stream": stream,
+                **({"max_tokens": 32} if kind == "free" else
+                   {"max_tokens": MAX_TOKENS[kind], **fields[kind]})}
+        resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=3600)
+        resp.raise_for_status()
+        if not stream:
+            choice = resp.json()["choices"][0]
+            return kind, stream, choice["message"]["content"], choice["finish_reason"]
+        text, reason = "", ""
+        for line in resp.text.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content") or ""
+                    reason = choice["finish_reason"] or reason
+        return kind, stream, text, reason
+
+    for kind in kinds:
+        jobs = [(k, i) for i in range(samples) for k in (kind, "free")]
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            results = [r for r in pool.map(run, jobs) if r[0] != "free"]
+        elapsed = time.perf_counter() - start
+        for stream in (False, True):
+            mine = [(text, reason) for _, s, text, reason in results if s == stream]
+            complete = [text for text, reason in mine if reason == "stop"]
+            valid = sum(check(kind, t) for t in complete)
+            print(f"{kind:>12} {'streamed' if stream else 'whole':>8}: {valid}/{len(complete)} "
+                  f"complete outputs valid ({100.0 * valid / max(1, len(complete)):.1f}%), "
+                  f"{len(mine) - len(complete)} cut by max_tokens ({MAX_TOKENS[kind]})",
+                  flush=True)
+        print(f"{kind:>12}: {elapsed:.1f} s for {samples} guided + {samples} unguided")
+
+
 def decode_step_ms(llm: LLM, guided: bool, bs: int = 16, steps: int = 16) -> float:
     engine = llm.engine
     spec = Spec(json=NESTED) if guided else None
@@ -156,7 +208,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--kinds", default="nested,json_object,regex,choice")
     parser.add_argument("--validity-only", action="store_true")
+    parser.add_argument("--http", metavar="URL", default=None,
+                        help="check validity through a running server (e.g. "
+                             "http://127.0.0.1:8000), streamed and not, instead of in process")
     args = parser.parse_args()
+    if args.http:
+        http_validity(args.http.rstrip("/"), args.samples, args.kinds.split(","))
+        return 0
     llm = LLM(args.model, max_num_seqs=64, max_model_len=1024)
     validity(llm, args.samples, args.kinds.split(","))
     if not args.validity_only:

@@ -64,14 +64,18 @@ async def create_chat_completion(
     template_kwargs = _template_kwargs(req.chat_template_kwargs)
     params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
     messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    tok = ctx.engine.tokenizer
+
+    def render() -> tuple[str, list[int]]:  # off the event loop: long prompts take a while
+        text = tok.apply_chat_template(messages, req.add_generation_prompt, plan.tools,
+                                       template_kwargs)
+        return text, tok.encode(text, add_special_tokens=False)
+
     try:
-        prompt_text = await asyncio.to_thread(
-            ctx.engine.tokenizer.apply_chat_template, messages, req.add_generation_prompt,
-            plan.tools, template_kwargs)
+        prompt_text, prompt_ids = await asyncio.to_thread(render)
     except ValueError as exc:  # no template, unsupported content parts, template errors
         raise APIError(400, str(exc), "messages") from None
     params = _with_tool_constraint(ctx, params, plan, prompt_text)
-    prompt_ids = ctx.engine.tokenizer.encode(prompt_text, add_special_tokens=False)
     stream = tapped(await submit(ctx, request_id, prompt_ids, params), MetricsTap(ctx.metrics, params))
     response_id = f"chatcmpl-{request_id}"
 
