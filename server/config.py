@@ -72,10 +72,14 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    # fcfs: arrival order; priority: the request's ``priority`` (lower first), then arrival
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError("--scheduling-policy must be fcfs or priority")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
 
@@ -215,6 +219,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "everything to --dtype")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                        help="fcfs: arrival order; priority: the request field priority "
+                             "(lower first, ties by arrival), lowest priority preempted first")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -254,6 +261,7 @@ def engine_config_from_args(
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
+            policy=args.scheduling_policy,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
         ),

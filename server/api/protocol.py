@@ -154,6 +154,8 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: with --scheduling-policy priority, lower values are served first
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     # output constraints (server/api/structured.py): at most one per request
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

@@ -117,7 +117,7 @@ def build_sampling_params(
         logit_bias=bias, logprobs=logprobs, stop=req.stop,
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens, priority=req.priority,
     )
     optional = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                     min_p=req.min_p, repetition_penalty=req.repetition_penalty,

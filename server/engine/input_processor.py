@@ -77,6 +77,9 @@ class InputProcessor:
         vocab = self.vocab_size
         if not prompt_ids:
             raise RequestError("the prompt is empty", "prompt")
+        if params.priority and self.limits.policy != "priority":
+            raise RequestError("priority needs the server started with --scheduling-policy "
+                               "priority", "priority")
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):

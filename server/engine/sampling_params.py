@@ -59,6 +59,9 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
 
     n: int = Field(1, ge=1, le=128, description="completions to generate per prompt")
+    # Scheduling, not sampling, but it travels with the request's settings through every
+    # entry point (HTTP, offline LLM): with --scheduling-policy priority, lower runs first.
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     max_tokens: int | None = Field(16, ge=1, description="None: up to the context length")
     # int32 bounds (here and on top_k): beyond them a value is a typo, and a top_k of 2**63
     # would overflow the sampler's int64 tensor

@@ -23,6 +23,7 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    policy: str = "fcfs"
 
     @classmethod
     def resolve(cls, config: SchedulerConfig, model_max_len: int) -> SchedulerLimits:
@@ -37,7 +38,7 @@ class SchedulerLimits:
             raise ValueError(
                 f"--max-num-batched-tokens ({max_batched}) must be >= --max-model-len "
                 f"({max_model_len}) since prompts are not chunked")
-        return cls(config.max_num_seqs, max_batched, max_model_len)
+        return cls(config.max_num_seqs, max_batched, max_model_len, config.policy)
 
 
 class Scheduler:
@@ -51,6 +52,9 @@ class Scheduler:
     running set is kept in arrival order, so a request that was preempted and re-admitted is
     still older than those that came after it: the oldest request is never the victim, and
     requests finish roughly in the order they came.
+
+    With the ``priority`` policy the same order is by (priority, arrival): the queue admits
+    the most urgent first and preemption takes the least urgent, newest sequence.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class Scheduler:
         # Padding-aware admission: (num_seqs, max_tokens) -> whether the padded prefill
         # batch still has a bucket within the token budget. None: no padding constraint.
         self.prefill_fits = prefill_fits
+        self._order = _priority_order if limits.policy == "priority" else _arrival_order
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -83,7 +88,7 @@ class Scheduler:
         """Queues a sequence in arrival order: requests are tokenized concurrently, so they
         can reach the scheduler in another order than they reached the server."""
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_arrival_order)
+        bisect.insort(self.waiting, seq, key=self._order)
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch, or None when there is nothing to run."""
@@ -131,7 +136,7 @@ class Scheduler:
         if not seqs:
             return None
         for seq in seqs:
-            bisect.insort(self.running, seq, key=_arrival_order)
+            bisect.insort(self.running, seq, key=self._order)
         return ScheduledBatch(Phase.PROMPT, seqs)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -143,7 +148,8 @@ class Scheduler:
                 self.block_manager.append_slot(seq)
                 i += 1
                 continue
-            # The newest arrival: it has waited least (and usually has the least to redo).
+            # The last in order: the newest arrival (of the least urgent priority); it has
+            # waited least and usually has the least to redo.
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
@@ -156,8 +162,12 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, seq, key=_arrival_order)  # ahead of later arrivals
+        bisect.insort(self.waiting, seq, key=self._order)  # ahead of later arrivals
 
 
 def _arrival_order(seq: Sequence) -> tuple[float, int]:
     return seq.arrival_time, seq.seq_id
+
+
+def _priority_order(seq: Sequence) -> tuple[int, float, int]:
+    return seq.params.priority, seq.arrival_time, seq.seq_id

@@ -97,6 +97,8 @@ def test_non_finite_logit_bias_is_400(server) -> None:
     # found by the fuzzer: logits / 1e-300 overflow, NaN logprobs, a 500 writing the JSON
     (COMPLETIONS, {"repetition_penalty": 1e-300, "logprobs": 2}, "repetition_penalty", []),
     (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens", []),
+    (CHAT, {"priority": 1}, "priority", ["--scheduling-policy priority"]),
+    (COMPLETIONS, {"priority": 2**64}, "priority", []),
 ])
 def test_limits_are_400_naming_the_field(server, path: str, fields: dict, param: str,
                                          words: list[str]) -> None:

@@ -179,3 +179,23 @@ def test_kv_accounting_with_aborts_and_preemption(tiny_model) -> None:
     ids = sorted(completed, key=int)
     reference = big.generate([prompts[int(i)] for i in ids], [params[int(i)] for i in ids])
     assert [r.outputs[0].token_ids for r in reference] == [completed[i] for i in ids]
+
+
+def test_priority_policy_serves_the_urgent_request_first(tiny_model) -> None:
+    llm = LLM(tiny_model[0], dtype="float32", block_size=16, max_num_seqs=1,
+              scheduling_policy="priority")
+    engine = llm.engine
+    for i, priority in enumerate([0, 0, 0, -1]):
+        engine.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True,
+                                                               priority=priority))
+    order = []
+    while engine.has_unfinished_requests():
+        order += [out.request_id for out in engine.step() if out.finished]
+    assert order == ["r3", "r0", "r1", "r2"]
+
+
+def test_priority_needs_the_priority_policy(llm: LLM) -> None:
+    with pytest.raises(RequestError) as info:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, priority=1))
+    assert info.value.param == "priority"
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks

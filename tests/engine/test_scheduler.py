@@ -126,3 +126,30 @@ def test_under_kv_pressure_the_oldest_is_never_preempted_and_order_follows_arriv
     # Stated tolerance: a request finishes at most 3 places away from its arrival rank
     # (requests admitted in one prefill batch finish in the same step, in any order).
     assert max(abs(rank - seq_id) for rank, seq_id in enumerate(finished)) <= 3
+
+
+def make_prio_seq(seq_id: int, num_tokens: int, priority: int) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, [1] * num_tokens,
+                    SamplingParams(priority=priority), float(seq_id))
+
+
+def test_priority_policy_admits_the_most_urgent_first_and_preempts_the_least() -> None:
+    sched = Scheduler(SchedulerLimits(2, 64, 64, policy="priority"), BlockManager(4, 2))
+    late_urgent = make_prio_seq(2, 4, priority=-5)
+    for seq in (make_prio_seq(0, 4, priority=3), make_prio_seq(1, 4, priority=0),
+                late_urgent):
+        sched.add(seq)
+    batch = fake_step(sched)  # two slots: the urgent one that came last, then priority 0
+    assert [s.seq_id for s in batch.seqs] == [2, 1]
+    batch = fake_step(sched)  # both need a block, none free: the less urgent one yields
+    assert [s.seq_id for s in batch.seqs] == [2]
+    assert [s.seq_id for s in batch.preempted] == [1]
+    # back in the queue by priority: ahead of the earlier arrival with priority 3
+    assert [s.seq_id for s in sched.waiting] == [1, 0]
+
+
+def test_fcfs_ignores_priority_order() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add(make_prio_seq(0, 4, priority=9))
+    sched.add(make_prio_seq(1, 4, priority=-9))
+    assert [s.seq_id for s in fake_step(sched).seqs] == [0]
