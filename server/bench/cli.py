@@ -27,6 +27,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=200, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="tokens to generate")
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="tokens of a prefix common to every prompt (a shared system "
+                             "prompt), before each prompt's own --input-len tokens")
+    parser.add_argument("--long-prompt-fraction", type=float, default=0.0,
+                        help="this fraction of the prompts is --long-input-len tokens long")
+    parser.add_argument("--long-input-len", type=int, default=4096)
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="lengths uniform in [len*(1-r), len*(1+r)]; 0 = fixed")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
@@ -57,7 +63,9 @@ def load_tokenizer(path: str | None):  # -> server.engine.tokenizer.Tokenizer
 def run_bench(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     spec = WorkloadSpec(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                        args.seed)
+                        args.seed, shared_prefix_len=args.shared_prefix_len,
+                        long_fraction=args.long_prompt_fraction,
+                        long_input_len=args.long_input_len)
     special = set(tokenizer.hf.all_special_ids)
     requests = synthetic_requests(spec, tokenizer, special)
     model = args.model or asyncio.run(discover_model(args.base_url, args.api_key))

@@ -35,6 +35,18 @@ class WorkloadSpec:
     # lengths are drawn uniformly from [len * (1 - ratio), len * (1 + ratio)]
     range_ratio: float = 0.0
     seed: int = 0
+    # every prompt starts with the same this-many-token prefix (a shared system prompt),
+    # followed by its own input_len tokens: what prefix caching saves
+    shared_prefix_len: int = 0
+    # this fraction of the prompts has long_input_len tokens instead (a long-prompt mix)
+    long_fraction: float = 0.0
+    long_input_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.shared_prefix_len < 0 or self.long_input_len < 1:
+            raise ValueError("--shared-prefix-len must be >= 0, --long-input-len >= 1")
+        if not 0.0 <= self.long_fraction <= 1.0:
+            raise ValueError("--long-prompt-fraction must be in [0, 1]")
 
 
 def _length(rng: random.Random, mean: int, ratio: float) -> int:
@@ -72,11 +84,23 @@ def synthetic_requests(spec: WorkloadSpec, tokenizer: TextTokenizer,
     """The same list for the same spec and tokenizer, on every machine."""
     rng = random.Random(spec.seed)
     special = set(special_ids or ())
+    prefix = ""
+    if spec.shared_prefix_len:
+        prefix, _ = _prompt_of_length(random.Random(spec.seed - 1), tokenizer,
+                                      spec.shared_prefix_len, special)
+        prefix += "\n"  # a boundary tokenizers do not merge across
+    # which prompts are long: an exact count, spread by the seed
+    num_long = round(spec.num_prompts * spec.long_fraction)
+    long = set(random.Random(spec.seed + 2).sample(range(spec.num_prompts), num_long))
     requests = []
-    for _ in range(spec.num_prompts):
-        in_len = _length(rng, spec.input_len, spec.range_ratio)
+    for i in range(spec.num_prompts):
+        mean = spec.long_input_len if i in long else spec.input_len
+        in_len = _length(rng, mean, spec.range_ratio)
         out_len = _length(rng, spec.output_len, spec.range_ratio)
         text, actual = _prompt_of_length(rng, tokenizer, in_len, special)
+        if prefix:
+            text = prefix + text
+            actual = len(tokenizer.encode(text, add_special_tokens=False))
         requests.append(BenchRequest(text, actual, out_len))
     return requests
 

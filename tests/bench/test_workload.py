@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import pytest
@@ -49,3 +50,21 @@ def test_arrivals_infinite_rate_and_poisson_mean() -> None:
     assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, rel=0.1)
     bursty = list(arrival_gaps(4.0, 4000, seed=0, burstiness=0.25))
     assert statistics.stdev(bursty) / statistics.fmean(bursty) > 1.5
+
+
+def test_shared_prefix_and_long_prompt_mix(tiny_model) -> None:
+    tok = Tokenizer.from_model_path(tiny_model[0])
+    spec = WorkloadSpec(num_prompts=10, input_len=12, output_len=4, seed=5,
+                        shared_prefix_len=40, long_fraction=0.3, long_input_len=100)
+    requests = synthetic_requests(spec, tok)
+    common = os.path.commonprefix([r.prompt for r in requests])
+    prefix = common[:common.rindex("\n") + 1]
+    prefix_ids = tok.encode(prefix, add_special_tokens=False)
+    assert len(prefix_ids) >= 40  # the tiny tokenizer re-encodes random bytes longer
+    for r in requests:
+        ids = tok.encode(r.prompt, add_special_tokens=False)
+        assert len(ids) == r.prompt_len
+        assert ids[:len(prefix_ids)] == prefix_ids  # a cache can reuse the prefix's blocks
+    own = sorted(r.prompt_len - len(prefix_ids) for r in requests)
+    assert min(own[-3:]) > 3 * max(own[:-3])  # exactly 3 of 10 are the long ones
+    assert synthetic_requests(spec, tok) == requests
