@@ -146,3 +146,12 @@ def test_a_grammar_that_can_only_end_wins_over_min_tokens(llm: LLM, fields: dict
         assert out.text == ""
         assert out.finish_reason == "stop"
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
+
+
+def test_stop_strings_end_a_guided_output(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, n=3, stop=["e"],
+                            structured_outputs=Spec(regex=r"[a-h]{30}"))
+    for c in llm.generate("the quick", params)[0].outputs:
+        assert re.fullmatch(r"[a-dfgh]*", c.text), c.text  # the grammar's letters, up to "e"
+        assert c.finish_reason == "stop"
+        assert c.stop_reason == "e" or len(c.text) == 30
