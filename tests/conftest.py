@@ -79,6 +79,9 @@ def save_tiny_model(
     if model_type == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif model_type == "qwen3":
+        config = transformers.Qwen3Config(head_dim=32, **common)  # != hidden / heads, as real
+        cls = transformers.Qwen3ForCausalLM
     elif model_type == "mistral":
         config = transformers.MistralConfig(sliding_window=None, **common)
         cls = transformers.MistralForCausalLM
@@ -94,6 +97,9 @@ def save_tiny_model(
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# model_type values that share the Llama decoder layout (RMSNorm, RoPE, SwiGLU, GQA).
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+from server.models.registry import architecture_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,22 +28,20 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     # torch dtype name from the checkpoint ("bfloat16", "float32"...), None if unknown
     checkpoint_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
-        model_type = getattr(hf, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
-            )
+        arch = architecture_of(getattr(hf, "architectures", None),
+                               getattr(hf, "model_type", None))
+        model_type = arch.model_type
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope_theta, rope_scaling = _rope_settings(hf)
         attention_bias = bool(getattr(hf, "attention_bias", False))
-        is_qwen2 = model_type == "qwen2"
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
@@ -63,9 +60,10 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and no o bias; Llama's flag covers all four.
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
+            qkv_bias=arch.qkv_bias or attention_bias,
+            o_bias=attention_bias and not arch.qkv_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=arch.qk_norm,
             checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=eos_ids,
         )

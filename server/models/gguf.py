@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from server.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from server.models.config import ModelConfig
+from server.models.registry import ARCHITECTURES, gguf_architecture
 
 GROUP_SIZE = 32  # GGUF's block length along the input dimension
 
@@ -46,6 +47,8 @@ _BLOCK_NAMES = {
     "ffn_gate": ("mlp.gate_proj", "mlp.gate_up_proj", 0),
     "ffn_up": ("mlp.up_proj", "mlp.gate_up_proj", 1),
     "ffn_down": ("mlp.down_proj", "mlp.down_proj", 0),
+    "attn_q_norm": ("self_attn.q_norm", "self_attn.q_norm", 0),
+    "attn_k_norm": ("self_attn.k_norm", "self_attn.k_norm", 0),
 }
 _SHARDS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2, "self_attn.o_proj": 1,
            "mlp.down_proj": 1}
@@ -87,23 +90,23 @@ def gguf_model_config(reader: object) -> ModelConfig:
         return value.item() if value is not None and value.size == 1 else value
 
     arch = str(get("general.architecture"))
-    if arch not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
-                         f"{sorted(SUPPORTED_MODEL_TYPES)}")
+    family = gguf_architecture(arch)
     names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
     num_heads = int(get(f"{arch}.attention.head_count"))
     hidden = int(get(f"{arch}.embedding_length"))
     vocab = get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"].data)
     eos = get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        model_type="llama" if arch == "mistral" else arch,
+        model_type=family.model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get(f"{arch}.feed_forward_length")),
         num_layers=int(get(f"{arch}.block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get(f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(get(f"{arch}.rope.dimension_count", hidden // num_heads)),
+        # Qwen3 writes its (non hidden/heads) head size as the key length
+        head_dim=int(get(f"{arch}.attention.key_length")
+                     or get(f"{arch}.rope.dimension_count", hidden // num_heads)),
         rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=None,
@@ -112,6 +115,7 @@ def gguf_model_config(reader: object) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         checkpoint_dtype=None,
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
@@ -119,8 +123,9 @@ def gguf_model_config(reader: object) -> ModelConfig:
 
 def _unpermutes(cfg: ModelConfig) -> bool:
     # llama.cpp's converter permutes Q/K rows for its interleaved RoPE on "llama" models
-    # only; Qwen2 GGUFs keep the Hugging Face layout.
-    return cfg.model_type != "qwen2"
+    # only; Qwen2/Qwen3 GGUFs keep the Hugging Face layout.
+    return next(a.gguf_permuted_qk for a in ARCHITECTURES.values()
+                if a.model_type == cfg.model_type)
 
 
 def _unpermute(t: torch.Tensor, num_heads: int) -> torch.Tensor:

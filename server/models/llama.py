@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV
+cache; server/models/registry.py lists the families and what each changes."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class Attention(nn.Module):
         # q, k and v as one matmul: fewer, larger GEMMs are faster on every device.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.ops: TorchLayerOps = _TORCH_OPS
 
     def forward(
@@ -53,6 +56,8 @@ class Attention(nn.Module):
         """x ``[bs, q, hidden]`` (q == 1 for decode) -> same shape."""
         bs, q_len, _ = x.shape
         qkv = self.qkv_proj(x.view(bs * q_len, -1))
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         query, key, value = self.ops.rotary_write_kv(qkv, rope, kv_cache, meta, self.num_heads,
                                                      self.num_kv_heads)
         if meta.is_prompt:
@@ -60,6 +65,15 @@ class Attention(nn.Module):
         else:
             out = self.ops.decode_attention(query, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(bs, q_len, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head RMSNorm of q and k (v untouched), ahead of RoPE."""
+        assert self.q_norm is not None and self.k_norm is not None
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim))  # one row per (token, head)
+        k = self.k_norm(k.reshape(-1, self.head_dim))
+        return torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v], dim=-1)
 
 
 class MLP(nn.Module):

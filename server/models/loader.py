@@ -8,6 +8,7 @@ names).
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -220,10 +221,27 @@ def _check_complete(
 def _safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = sorted(Path(source.folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{source.folder}: no *.safetensors files")
+    files = _safetensors_files(Path(source.folder))
     handles = [safe_open(str(f), framework="pt") for f in files]
     keys = [(h, k) for h in handles for k in h.keys()]
     for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", leave=False):
         yield key, handle.get_tensor(key)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's shards: those ``model.safetensors.index.json`` lists when there is
+    one (repositories also ship other copies, such as Mistral's ``consolidated.safetensors``,
+    which would load every weight twice), else every ``*.safetensors`` file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{folder}: shards listed in {index.name} are missing: "
+                                    f"{missing[:4]}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    return files

@@ -33,9 +33,11 @@ def prompt_lengths() -> list[int]:
     return [1, 3, 7, 12, 16, 17, 29, 45]
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_tiny_llama_matches_transformers(tiny_model_factory, tie: bool) -> None:
-    folder, hf_model, _ = tiny_model_factory(tie=tie, num_kv_heads=2)
+@pytest.mark.parametrize("kwargs", [dict(tie=True), dict(tie=False),
+                                    dict(model_type="qwen3", tie=True)],
+                         ids=["tied", "untied", "qwen3"])
+def test_tiny_llama_matches_transformers(tiny_model_factory, kwargs: dict) -> None:
+    folder, hf_model, _ = tiny_model_factory(num_kv_heads=2, **kwargs)
     gen = torch.Generator().manual_seed(7)
     vocab = hf_model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in prompt_lengths()]

@@ -21,12 +21,16 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(path: Path, hf_model) -> None:
+def write_gguf(path: Path, hf_model, arch: str = "llama") -> None:
+    """As llama.cpp's converter lays the file out: "llama" with permuted Q/K rows and
+    rope_freqs (Llama 3.1 scaling), "qwen3" in the HF row order with q/k norms and its head
+    size as the key length."""
     import gguf
 
     cfg = hf_model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    llama = arch == "llama"
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -36,15 +40,20 @@ def write_gguf(path: Path, hf_model) -> None:
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
-    base = rope_inv_freq(head_dim, float(cfg.rope_parameters["rope_theta"]), None)
-    scaled = rope_inv_freq(head_dim, float(cfg.rope_parameters["rope_theta"]), SCALING)
-    writer.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
+    if llama:
+        writer.add_rope_dimension_count(head_dim)
+        base = rope_inv_freq(head_dim, float(cfg.rope_parameters["rope_theta"]), None)
+        scaled = rope_inv_freq(head_dim, float(cfg.rope_parameters["rope_theta"]), SCALING)
+        writer.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     names = {"embed_tokens": "token_embd", "norm": "output_norm"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for name, tensor in hf_model.state_dict().items():
         array = tensor.float().numpy()
         if name == "lm_head.weight":
@@ -53,7 +62,9 @@ def write_gguf(path: Path, hf_model) -> None:
             _, _, layer, rest = name.split(".", 3)
             part = rest.rsplit(".", 1)[0]
             gguf_name = f"blk.{layer}.{parts[part]}.weight"
-            if part == "self_attn.q_proj":
+            if not llama:
+                pass
+            elif part == "self_attn.q_proj":
                 array = permute(array, cfg.num_attention_heads)
             elif part == "self_attn.k_proj":
                 array = permute(array, cfg.num_key_value_heads)
@@ -77,6 +88,13 @@ def test_gguf_with_permuted_qk_and_rope_freqs_matches_transformers(tiny_model_fa
     ids = torch.randint(3, hf_model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf_model(ids).logits[0]
+    # position 199 is far beyond original_max_position_embeddings=64: scaling matters here
+    torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=2e-4,
+                               rtol=1e-4)
+
+
+def last_logits(loaded, prompt: list[int]) -> torch.Tensor:
+    """Our logits at the prompt's last position, through a paged prefill."""
     from server.engine.block_manager import BlockManager
     from server.engine.input_builder import InputBuilder
     from server.engine.model_runner import ModelForward
@@ -90,9 +108,22 @@ def test_gguf_with_permuted_qk_and_rope_freqs_matches_transformers(tiny_model_fa
                            torch.float32, torch.device("cpu"))
     forward = ModelForward(loaded.model, kv)
     inputs = InputBuilder(16, bm.pad_block_id, torch.device("cpu"), torch.float32)
-    seq = Sequence(0, "r", 0, ids[0].tolist(), SamplingParams(), 0.0)
+    seq = Sequence(0, "r", 0, prompt, SamplingParams(), 0.0)
     bm.allocate(seq)
     with torch.inference_mode():
-        ours = forward(inputs.prefill([seq]))[0]
-    # position 199 is far beyond original_max_position_embeddings=64: scaling matters here
-    torch.testing.assert_close(ours, ref[-1], atol=2e-4, rtol=1e-4)
+        return forward(inputs.prefill([seq]))[0]
+
+
+def test_qwen3_gguf_matches_transformers(tiny_model_factory, tmp_path: Path) -> None:
+    """Qwen3 as llama.cpp exports it: q/k norms, HF row order, head size != hidden / heads."""
+    _, hf_model, _ = tiny_model_factory(model_type="qwen3", tie=False)
+    path = tmp_path / "tiny-qwen3.gguf"
+    write_gguf(path, hf_model, arch="qwen3")
+    loaded = load_model(resolve_model_source(str(path)), "float32", torch.device("cpu"))
+    assert loaded.config.qk_norm and loaded.config.head_dim == 32
+    ids = torch.randint(3, hf_model.config.vocab_size, (1, 40),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf_model(ids).logits[0]
+    torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=2e-4,
+                               rtol=1e-4)

@@ -62,3 +62,49 @@ def test_incomplete_checkpoint_is_rejected(tiny_model, tmp_path: Path) -> None:
     save_file(tensors, st, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="up_proj|gate_up_proj"):
         load_model(resolve_model_source(str(tmp_path)), "float32", torch.device("cpu"))
+
+
+def test_sharded_checkpoint_loads_the_shards_its_index_lists(tiny_model, tmp_path: Path) -> None:
+    """A checkpoint split in shards with an index, beside a stray full copy (as Mistral's
+    repositories ship consolidated.safetensors): the shards are loaded, the copy is not."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = Path(tiny_model[0])
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    (single,) = list(src.glob("*.safetensors"))
+    tensors = load_file(single)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, tmp_path / file, metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: file for file, keys in shards.items() for k in keys}}))
+    # a stray copy with different keys would fail the load if it were read
+    save_file({"junk.weight": torch.zeros(2)}, tmp_path / "consolidated.safetensors")
+    sharded = load_model(resolve_model_source(str(tmp_path)), "float32", torch.device("cpu"))
+    whole = load_model(resolve_model_source(tiny_model[0]), "float32", torch.device("cpu"))
+    for (name, a), (_, b) in zip(sharded.model.state_dict().items(),
+                                 whole.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_model(resolve_model_source(str(tmp_path)), "float32", torch.device("cpu"))
+
+
+def test_unsupported_architecture_is_a_clear_error(tiny_model, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    for f in Path(tiny_model[0]).iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: .*Qwen3ForCausalLM"):
+        load_model(resolve_model_source(str(tmp_path)), "float32", torch.device("cpu"))

@@ -1,0 +1,58 @@
+"""The supported architectures, keyed by what checkpoints call them: ``config.architectures``
+in a Hugging Face folder, ``general.architecture`` in a GGUF file.
+
+Each entry says how its family departs from the Llama decoder (which every family here builds
+on), so adding a family is one entry plus whatever new building block it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """One decoder family and its departures from the Llama layout."""
+
+    name: str  # the Hugging Face class name in config.json's "architectures"
+    model_type: str  # config.json's "model_type"
+    gguf_name: str | None  # llama.cpp's general.architecture, when it exports the family
+    qkv_bias: bool = False  # q/k/v projections always carry biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    # llama.cpp permutes Q/K rows (its interleaved RoPE) for these on export
+    gguf_permuted_qk: bool = True
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("LlamaForCausalLM", "llama", "llama"),
+    Architecture("MistralForCausalLM", "mistral", "mistral"),
+    Architecture("Qwen2ForCausalLM", "qwen2", "qwen2", qkv_bias=True, gguf_permuted_qk=False),
+    Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", qk_norm=True, gguf_permuted_qk=False),
+)}
+
+
+def supported() -> str:
+    return ", ".join(sorted(ARCHITECTURES))
+
+
+def architecture_of(architectures: Sequence[str] | None, model_type: str | None) -> Architecture:
+    """The family of a Hugging Face config; a clear error naming the supported ones."""
+    for name in architectures or ():
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    if not architectures:  # hand-written configs may name only the model type
+        for arch in ARCHITECTURES.values():
+            if arch.model_type == model_type:
+                return arch
+    given = ", ".join(architectures or ()) or f"model_type {model_type!r}"
+    raise ValueError(f"unsupported architecture {given}; supported: {supported()}")
+
+
+def gguf_architecture(name: str) -> Architecture:
+    """The family of a GGUF file's ``general.architecture``."""
+    for arch in ARCHITECTURES.values():
+        if arch.gguf_name == name:
+            return arch
+    known = ", ".join(sorted(a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name))
+    raise ValueError(f"unsupported GGUF architecture {name!r}; supported: {known}")

@@ -1,0 +1,34 @@
+"""Each architecture of the registry served once over HTTP: a tiny random model built by
+transformers, a greedy completion through the real server equal to transformers' own."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from server_process import MODEL_NAME, TINY_FLAGS, start_server
+from transformers import GenerationConfig
+
+NEW_TOKENS = 12
+
+
+@pytest.mark.parametrize("model_type", ["qwen3"])
+def test_architecture_served_over_http(tiny_model_factory, model_type: str) -> None:
+    folder, hf_model, hf_tokenizer = tiny_model_factory(model_type=model_type, tie=True)
+    prompt = torch.randint(3, hf_model.config.vocab_size, (11,),
+                           generator=torch.Generator().manual_seed(3)).tolist()
+    server = start_server(folder, *TINY_FLAGS)
+    try:
+        resp = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": NEW_TOKENS,
+            "temperature": 0, "ignore_eos": True})
+    finally:
+        server.stop()
+    assert resp.status_code == 200, resp.text
+    hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), generation_config=GenerationConfig(
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0))
+    expected = hf_tokenizer.decode(out[0, len(prompt):].tolist())
+    assert resp.json()["choices"][0]["text"] == expected
+    assert resp.json()["usage"]["completion_tokens"] == NEW_TOKENS
