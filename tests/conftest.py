@@ -58,6 +58,7 @@ def save_tiny_model(
     num_kv_heads: int = 2,
     seed: int = 0,
     rope_scaling: dict | None = None,
+    sliding_window: int | None = None,
     dtype: torch.dtype = torch.float32,
 ):
     """Builds a random model with transformers, saves config + safetensors + tokenizer."""
@@ -83,8 +84,13 @@ def save_tiny_model(
         config = transformers.Qwen3Config(head_dim=32, **common)  # != hidden / heads, as real
         cls = transformers.Qwen3ForCausalLM
     elif model_type == "mistral":
-        config = transformers.MistralConfig(sliding_window=None, **common)
+        config = transformers.MistralConfig(sliding_window=sliding_window, **common)
         cls = transformers.MistralForCausalLM
+    elif model_type == "granite":
+        config = transformers.GraniteConfig(embedding_multiplier=6.0, residual_multiplier=0.3,
+                                            attention_multiplier=0.05, logits_scaling=4.0,
+                                            **common)
+        cls = transformers.GraniteForCausalLM
     else:
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling

@@ -29,6 +29,15 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    # Granite's scalings (1.0 / None elsewhere): embeddings x, each sublayer's output x
+    # before it joins the residual stream, the attention scale instead of 1/sqrt(head_dim),
+    # logits divided by
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # Mistral's sliding window (tokens); contexts are capped to it, see max_context
+    sliding_window: int | None = None
     # torch dtype name from the checkpoint ("bfloat16", "float32"...), None if unknown
     checkpoint_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -64,9 +73,25 @@ class ModelConfig:
             o_bias=attention_bias and not arch.qkv_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=arch.qk_norm,
+            embedding_multiplier=float(getattr(hf, "embedding_multiplier", 1.0) or 1.0),
+            residual_multiplier=float(getattr(hf, "residual_multiplier", 1.0) or 1.0),
+            attention_multiplier=(float(hf.attention_multiplier)
+                                  if getattr(hf, "attention_multiplier", None) else None),
+            logits_scaling=float(getattr(hf, "logits_scaling", 1.0) or 1.0),
+            sliding_window=getattr(hf, "sliding_window", None) or None,
             checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=eos_ids,
         )
+
+
+    @property
+    def max_context(self) -> int:
+        """The longest context served exactly: the position limit, or a sliding window
+        below it (attention here is full, which equals windowed attention only within the
+        window, so the window caps the context, as vLLM does where windows are unsupported)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
 
 def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:

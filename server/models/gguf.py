@@ -116,6 +116,12 @@ def gguf_model_config(reader: object) -> ModelConfig:
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        embedding_multiplier=float(get(f"{arch}.embedding_scale", 1.0)),
+        residual_multiplier=float(get(f"{arch}.residual_scale", 1.0)),
+        attention_multiplier=(float(get(f"{arch}.attention.scale"))
+                              if get(f"{arch}.attention.scale") else None),
+        logits_scaling=float(get(f"{arch}.logit_scale", 1.0)),
+        sliding_window=int(get(f"{arch}.attention.sliding_window") or 0) or None,
         checkpoint_dtype=None,
         eos_token_ids=(int(eos),) if eos is not None else (),
     )

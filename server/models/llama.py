@@ -38,7 +38,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5
         # q, k and v as one matmul: fewer, larger GEMMs are faster on every device.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -95,6 +95,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(
         self,
@@ -110,8 +111,13 @@ class DecoderLayer(nn.Module):
         same code (one compiled graph serves them all)."""
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta)
+        if self.residual_multiplier != 1.0:  # Granite
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,6 +146,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``."""
         x = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         rope = self.rotary(positions.reshape(-1), x.dtype)
         residual = torch.zeros_like(x)  # 0 + x is exact: the first add changes nothing
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -154,4 +162,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[bs, hidden]`` (one row per sequence) -> float32 logits ``[bs, vocab]``."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
+        return logits

@@ -29,6 +29,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MistralForCausalLM", "mistral", "mistral"),
     Architecture("Qwen2ForCausalLM", "qwen2", "qwen2", qkv_bias=True, gguf_permuted_qk=False),
     Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", qk_norm=True, gguf_permuted_qk=False),
+    # Granite's multipliers (embedding, residual, attention, logits) are config values
+    Architecture("GraniteForCausalLM", "granite", "granite"),
 )}
 
 

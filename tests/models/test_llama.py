@@ -48,11 +48,12 @@ def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int):
         dict(model_type="qwen2", tie=False, num_kv_heads=2),
         dict(model_type="mistral", tie=True, num_kv_heads=4),
         dict(model_type="qwen3", tie=True, num_kv_heads=2),
+        dict(model_type="granite", tie=True, num_kv_heads=2),
         dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                high_freq_factor=4.0, original_max_position_embeddings=64)),
     ],
     ids=["llama-tied-gqa", "llama-untied-mqa", "qwen2-bias", "mistral-mha", "qwen3-qk-norm",
-         "llama3-rope"],
+         "granite-multipliers", "llama3-rope"],
 )
 def test_logits_match_transformers(tiny_model_factory, kwargs) -> None:
     folder, hf_model, _ = tiny_model_factory(**kwargs)
