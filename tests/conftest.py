@@ -86,6 +86,11 @@ def save_tiny_model(
     elif model_type == "mistral":
         config = transformers.MistralConfig(sliding_window=sliding_window, **common)
         cls = transformers.MistralForCausalLM
+    elif model_type == "phi3":
+        extra = dict(rope_scaling=rope_scaling, original_max_position_embeddings=64) \
+            if rope_scaling else {}
+        config = transformers.Phi3Config(pad_token_id=0, **extra, **common)
+        cls = transformers.Phi3ForCausalLM
     elif model_type == "granite":
         config = transformers.GraniteConfig(embedding_multiplier=6.0, residual_multiplier=0.3,
                                             attention_multiplier=0.05, logits_scaling=4.0,

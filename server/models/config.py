@@ -47,6 +47,10 @@ class ModelConfig:
         arch = architecture_of(getattr(hf, "architectures", None),
                                getattr(hf, "model_type", None))
         model_type = arch.model_type
+        partial = _partial_rotary_factor(hf)
+        if partial != 1.0:
+            raise ValueError(f"partial rotary embeddings (partial_rotary_factor {partial}) "
+                             "are not supported yet")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope_theta, rope_scaling = _rope_settings(hf)
@@ -105,7 +109,7 @@ def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:
         theta = float(params["rope_theta"])
         rope_type = params.get("rope_type", params.get("type", "default"))
         scaling = None if rope_type == "default" else dict(params, rope_type=rope_type)
-        return theta, scaling
+        return theta, _with_original_context(hf, scaling)
     theta = float(getattr(hf, "rope_theta", 10000.0))
     scaling = getattr(hf, "rope_scaling", None)
     if scaling:
@@ -113,4 +117,19 @@ def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:
         scaling.setdefault("rope_type", scaling.get("type", "default"))
         if scaling["rope_type"] == "default":
             scaling = None
-    return theta, scaling or None
+    return theta, _with_original_context(hf, scaling or None)
+
+
+def _with_original_context(hf: Any, scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Phi-3 keeps ``original_max_position_embeddings`` beside the scaling, not in it."""
+    original = getattr(hf, "original_max_position_embeddings", None)
+    if scaling is not None and original and "original_max_position_embeddings" not in scaling:
+        scaling = dict(scaling, original_max_position_embeddings=original)
+    return scaling
+
+
+def _partial_rotary_factor(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"] or 1.0)
+    return float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0)

@@ -196,7 +196,11 @@ def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
             if name not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
             target = params[name].data
-            loaded.add(name)
+            fused = name.split(".")[-2]
+            if fused in shard_sizes:  # already fused in the checkpoint (Phi-3)
+                loaded.update(f"{name}#{i}" for i in range(len(shard_sizes[fused])))
+            else:
+                loaded.add(name)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         target.copy_(tensor)

@@ -31,6 +31,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", qk_norm=True, gguf_permuted_qk=False),
     # Granite's multipliers (embedding, residual, attention, logits) are config values
     Architecture("GraniteForCausalLM", "granite", "granite"),
+    # Phi-3 / Phi-4: q/k/v and gate/up already fused in the checkpoint, LongRoPE
+    Architecture("Phi3ForCausalLM", "phi3", None),
 )}
 
 

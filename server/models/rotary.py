@@ -1,4 +1,9 @@
-"""Rotary position embeddings, including Llama 3.1's "llama3" frequency scaling."""
+"""Rotary position embeddings and their scaling variants: linear, dynamic NTK, YaRN, Llama
+3.1's "llama3", and Phi-3's LongRoPE.
+
+Tables are precomputed per position, so a variant is a choice of inverse frequencies (and of
+an attention factor folded into cos/sin), possibly different above a position boundary.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,88 @@ from typing import Any
 
 import torch
 
+SUPPORTED = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (float32) for the configured RoPE variant."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is None:
-        return inv_freq.float()
-    rope_type = scaling.get("rope_type", "default")
+    """Inverse frequencies ``[head_dim // 2]`` (float32) of the first position segment."""
+    return rope_segments(head_dim, theta, scaling, 0)[0][0][1]
+
+
+def rope_segments(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  max_positions: int) -> tuple[list[tuple[int, torch.Tensor]], float]:
+    """``([(first position, inv_freq float32), ...], attention factor)`` of a variant."""
+    inv_freq = _base_inv_freq(head_dim, theta)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if scaling is None or rope_type == "default":
+        return [(0, inv_freq.float())], 1.0
     if rope_type == "linear":
-        return (inv_freq / float(scaling["factor"])).float()
+        return [(0, (inv_freq / float(scaling["factor"])).float())], 1.0
+    if rope_type == "dynamic":
+        # Dynamic NTK only rescales beyond max_position_embeddings, which also caps the
+        # context served: within it the frequencies are the plain ones.
+        return [(0, inv_freq.float())], 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling).float()
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3)")
+        return [(0, _llama3_inv_freq(inv_freq, scaling).float())], 1.0
+    if rope_type == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling, max_positions)
+    if rope_type == "longrope":
+        return _longrope(inv_freq, scaling, max_positions)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: "
+                     f"{', '.join(SUPPORTED)})")
+
+
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any],
+          max_positions: int) -> tuple[list[tuple[int, torch.Tensor]], float]:
+    # Frequencies that turn fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), those turning more than beta_fast times kept, a
+    # linear ramp between; attention is sharpened by ~0.1 ln(factor) + 1.
+    factor = float(scaling["factor"])
+    original = float(scaling.get("original_max_position_embeddings") or max_positions)
+    beta_fast = float(scaling.get("beta_fast") or 32.0)
+    beta_slow = float(scaling.get("beta_slow") or 1.0)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (mscale(factor, m) / mscale(factor, m_all) if m and m_all
+                     else mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    blended = inv_freq / factor * (1 - keep) + inv_freq * keep
+    return [(0, blended.float())], float(attention)
+
+
+def _longrope(inv_freq: torch.Tensor, scaling: dict[str, Any], max_positions: int
+              ) -> tuple[list[tuple[int, torch.Tensor]], float]:
+    # Per-frequency divisors learned for short and long contexts (Phi-3): positions within
+    # the original context use the short ones, positions beyond it the long ones.
+    original = int(scaling["original_max_position_embeddings"])
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float64)
+    long = torch.tensor(scaling["long_factor"], dtype=torch.float64)
+    factor = max_positions / original if max_positions else 1.0
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return [(0, (inv_freq / short).float()), (original, (inv_freq / long).float())], \
+        float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -46,23 +121,34 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.max_positions = max_positions
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        cos, sin = self._tables(inv_freq)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        segments, self.attention_factor = rope_segments(head_dim, theta, scaling,
+                                                        max_positions)
+        self.starts = [start for start, _ in segments]
+        inv_freqs = torch.stack([inv for _, inv in segments])
+        cos, sin = self._tables(inv_freqs)
+        self.register_buffer("inv_freqs", inv_freqs, persistent=False)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)
-        freqs = torch.outer(t, inv_freq)
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.inv_freqs[0]
+
+    def _tables(self, inv_freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freqs.device)
+        # each position takes the frequencies of the last segment starting at or before it
+        segment = torch.zeros(self.max_positions, dtype=torch.long, device=inv_freqs.device)
+        for i, start in enumerate(self.starts[1:], 1):
+            segment[start:] = i
+        freqs = t.unsqueeze(1) * inv_freqs[segment]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
 
     def apply_freq_factors(self, factors: torch.Tensor) -> None:
         """llama.cpp's ``rope_freqs`` tensor: per-frequency divisors (how GGUF files carry
         Llama 3.1's RoPE scaling)."""
-        self.inv_freq = self.inv_freq / factors.to(self.inv_freq)
-        self.cos, self.sin = self._tables(self.inv_freq)
+        self.inv_freqs = self.inv_freqs / factors.to(self.inv_freqs)
+        self.cos, self.sin = self._tables(self.inv_freqs)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` for positions ``[T]``, looked up once per forward pass and
@@ -71,4 +157,3 @@ class RotaryEmbedding(torch.nn.Module):
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
-

@@ -12,6 +12,9 @@ from server.hpu.kv_cache import allocate_kv_cache
 from server.models.loader import load_model, resolve_model_source
 
 BLOCK = 8
+# LongRoPE over a 64-token original context (head_dim 16: 8 factors each)
+PHI3_LONGROPE = dict(rope_type="longrope", short_factor=[1.0 + i / 8 for i in range(8)],
+                     long_factor=[2.0 + i / 4 for i in range(8)])
 
 
 def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int):
@@ -49,11 +52,12 @@ def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int):
         dict(model_type="mistral", tie=True, num_kv_heads=4),
         dict(model_type="qwen3", tie=True, num_kv_heads=2),
         dict(model_type="granite", tie=True, num_kv_heads=2),
+        dict(model_type="phi3", tie=False, num_kv_heads=2, rope_scaling=PHI3_LONGROPE),
         dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                high_freq_factor=4.0, original_max_position_embeddings=64)),
     ],
     ids=["llama-tied-gqa", "llama-untied-mqa", "qwen2-bias", "mistral-mha", "qwen3-qk-norm",
-         "granite-multipliers", "llama3-rope"],
+         "granite-multipliers", "phi3-longrope", "llama3-rope"],
 )
 def test_logits_match_transformers(tiny_model_factory, kwargs) -> None:
     folder, hf_model, _ = tiny_model_factory(**kwargs)
