@@ -213,10 +213,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--chat-template", default=None, help="Jinja template or a file with one")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=["gguf", "none", "gptq", "awq", "fp8", "compressed-tensors"],
                         help="gguf (default for .gguf files): Q4_0/Q4_1 weights stay 4-bit for "
                              "decode batches of up to 4 rows (bf16 on CPU); none: dequantize "
-                             "everything to --dtype")
+                             "everything to --dtype; gptq, awq, fp8, compressed-tensors: what "
+                             "config.json says the checkpoint is (read from it when unset; "
+                             "dequantized at load)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],

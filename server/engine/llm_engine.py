@@ -25,7 +25,12 @@ from server.engine.structured_outputs import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
 from server.hpu.counters import DeviceCounters
 from server.hpu.platform import detect_platform
-from server.models.loader import load_int4_weights, load_model, resolve_model_source
+from server.models.loader import (
+    load_int4_weights,
+    load_model,
+    load_model_config,
+    resolve_model_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,12 @@ class LLMEngine:
         quantization = config.model.quantization
         if quantization == "gguf" and not source.is_gguf:
             raise ValueError("--quantization gguf needs a .gguf model file")
+        if quantization not in (None, "none", "gguf"):  # checked before the slow part
+            quant = load_model_config(source).quant
+            found = quant.method if quant is not None else "not quantized"
+            if quantization != found:
+                raise ValueError(f"--quantization {quantization}: the checkpoint is {found} "
+                                 "(config.json's quantization_config)")
         loaded = load_model(source, config.model.dtype, platform.device)
         cache_dir = writable_cache_dir(config.cache_dir)
         self.model_name = config.model.served_model_name or source.name

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from server.models.quantized import QuantConfig
 from server.models.registry import architecture_of
 
 
@@ -38,6 +39,8 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Mistral's sliding window (tokens); contexts are capped to it, see max_context
     sliding_window: int | None = None
+    # how the checkpoint's linear weights are quantized (GPTQ, AWQ, FP8), None: they are not
+    quant: QuantConfig | None = None
     # torch dtype name from the checkpoint ("bfloat16", "float32"...), None if unknown
     checkpoint_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -83,6 +86,7 @@ class ModelConfig:
                                   if getattr(hf, "attention_multiplier", None) else None),
             logits_scaling=float(getattr(hf, "logits_scaling", 1.0) or 1.0),
             sliding_window=getattr(hf, "sliding_window", None) or None,
+            quant=QuantConfig.from_hf(_as_dict(getattr(hf, "quantization_config", None))),
             checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=eos_ids,
         )
@@ -133,3 +137,9 @@ def _partial_rotary_factor(hf: Any) -> float:
     if isinstance(params, dict) and "partial_rotary_factor" in params:
         return float(params["partial_rotary_factor"] or 1.0)
     return float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0)
+
+
+def _as_dict(value: Any) -> dict[str, Any] | None:
+    if value is None or isinstance(value, dict):
+        return value
+    return value.to_dict() if hasattr(value, "to_dict") else dict(vars(value))

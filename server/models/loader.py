@@ -30,6 +30,7 @@ from server.models.gguf import (
     read_int4_weights,
 )
 from server.models.llama import LlamaForCausalLM
+from server.models.quantized import dequantized
 from server.models.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     tensors = dequantized_tensors(reader, cfg) if reader is not None else _safetensors(source)
+    if cfg.quant is not None:
+        tensors = dequantized(tensors, cfg.quant)
     _load_into(model, tensors)
     model.eval()
     params = {id(p): p for p in model.parameters()}.values()
@@ -145,9 +148,9 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     num_bytes = sum(p.numel() * p.element_size() for p in params)
     seconds = time.monotonic() - start
     logger.info(
-        "Loaded %s: %.1fM params, dtype %s, device %s, %.1f MiB of weights, %.1f s",
+        "Loaded %s: %.1fM params, dtype %s, device %s, %.1f MiB of weights, %.1f s%s",
         source.name, num_params / 1e6, str(torch_dtype).replace("torch.", ""), device,
-        num_bytes / 2**20, seconds,
+        num_bytes / 2**20, seconds, _quant_summary(cfg),
     )
     return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds)
 
@@ -249,3 +252,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
     return files
+
+
+def _quant_summary(cfg: ModelConfig) -> str:
+    q = cfg.quant
+    if q is None:
+        return ""
+    what = {"gptq": f"GPTQ int{q.bits} (group {q.group_size})",
+            "awq": f"AWQ int{q.bits} (group {q.group_size})",
+            "fp8": f"FP8 (block scales {q.block[0]}x{q.block[1]})",
+            "compressed-tensors": "FP8 (compressed-tensors)"}[q.method]
+    return f"; {what} weights dequantized at load (no kernel for them on this path)"
