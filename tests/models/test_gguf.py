@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from server.models.loader import load_model, resolve_model_source
@@ -21,7 +22,7 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(path: Path, hf_model, arch: str = "llama") -> None:
+def write_gguf(path: Path, hf_model, arch: str = "llama", quantize=None) -> None:
     """As llama.cpp's converter lays the file out: "llama" with permuted Q/K rows and
     rope_freqs (Llama 3.1 scaling), "qwen3" in the HF row order with q/k norms and its head
     size as the key length."""
@@ -60,9 +61,9 @@ def write_gguf(path: Path, hf_model, arch: str = "llama") -> None:
             gguf_name = "output.weight"
         elif name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
-            part = rest.rsplit(".", 1)[0]
-            gguf_name = f"blk.{layer}.{parts[part]}.weight"
-            if not llama:
+            part, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
+            if not llama or kind != "weight":
                 pass
             elif part == "self_attn.q_proj":
                 array = permute(array, cfg.num_attention_heads)
@@ -70,6 +71,10 @@ def write_gguf(path: Path, hf_model, arch: str = "llama") -> None:
                 array = permute(array, cfg.num_key_value_heads)
         else:
             gguf_name = names[name.split(".")[1]] + ".weight"
+        if quantize is not None and array.ndim == 2 and name.startswith("model.layers."):
+            raw, qtype = quantize(np.ascontiguousarray(array))
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -126,4 +131,72 @@ def test_qwen3_gguf_matches_transformers(tiny_model_factory, tmp_path: Path) -> 
     with torch.no_grad():
         ref = hf_model(ids).logits[0]
     torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=2e-4,
+                               rtol=1e-4)
+
+
+def random_q4_k(array: np.ndarray):
+    """Q4_K blocks (256 values: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128
+    bytes of 4-bit codes) with random codes and scales: every byte pattern is a valid block,
+    and the values are whatever llama.cpp's dequantization says."""
+    import gguf
+
+    rows, cols = array.shape
+    blocks = np.random.default_rng(rows * cols).integers(
+        0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # d
+    blocks[..., 2:4] = np.frombuffer(np.float16(0.004).tobytes(), np.uint8)  # dmin
+    return blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K
+
+
+def gguf_quantizer(kind: str):
+    import gguf
+
+    if kind == "Q4_K":
+        return random_q4_k
+    qtype = gguf.GGMLQuantizationType[kind]
+    return lambda array: (gguf.quants.quantize(array, qtype), qtype)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "Q4_K"])
+def test_quantized_gguf_types_load_to_llama_cpp_values(tmp_path: Path, kind: str) -> None:
+    """A Qwen2 GGUF (biases, Hugging Face row order) whose linear weights are stored in
+    ``kind``: they load as gguf's own dequantization of the file, and the logits equal
+    transformers' with those weights (K-quants need rows of 256: a 256-wide model)."""
+    import copy
+
+    import gguf
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=320, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen2ForCausalLM(config).eval()
+    path = tmp_path / f"tiny-qwen2-{kind}.gguf"
+    write_gguf(path, hf_model, arch="qwen2", quantize=gguf_quantizer(kind))
+    reader = gguf.GGUFReader(str(path))
+    reference = copy.deepcopy(hf_model)
+    inverse = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    state = reference.state_dict()
+    quantized = 0
+    with torch.no_grad():
+        for t in reader.tensors:
+            if t.tensor_type == gguf.GGMLQuantizationType[kind]:
+                _, layer, part, _ = t.name.split(".")
+                values = gguf.quants.dequantize(t.data, t.tensor_type)
+                state[f"model.layers.{layer}.{inverse[part]}.weight"].copy_(
+                    torch.from_numpy(values.copy()))
+                quantized += 1
+    assert quantized == 7 * config.num_hidden_layers
+    loaded = load_model(resolve_model_source(str(path)), "float32", torch.device("cpu"))
+    ours_down = loaded.model.layers[1].mlp.down_proj.weight
+    torch.testing.assert_close(ours_down, state["model.layers.1.mlp.down_proj.weight"],
+                               rtol=0, atol=0)
+    ids = torch.randint(3, 320, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = reference(ids).logits[0]
+    torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=3e-4,
                                rtol=1e-4)
