@@ -55,6 +55,9 @@ class CacheConfig:
     # CPU has no "free device memory" to take a fraction of: an explicit bound instead.
     cpu_kvcache_space_bytes: int = 4 * GiB
     num_blocks_override: int | None = None
+    # auto: the model's dtype; fp8 / fp8_e4m3: float8 e4m3 storage (half of bf16's bytes),
+    # upcast where attention reads it
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -229,6 +232,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                        help="fp8: store K/V as float8 e4m3 (half the bytes of bf16), upcast "
+                             "in attention; on CPU this runs PyTorch attention, not the fused "
+                             "kernels")
     parser.add_argument("--device", default="auto",
                         help="auto, or a platform name: hpu, cuda, cpu or a plugin's")
     parser.add_argument("--enforce-eager", action="store_true")
@@ -261,6 +268,7 @@ def engine_config_from_args(
             gpu_memory_utilization=args.gpu_memory_utilization,
             cpu_kvcache_space_bytes=int(kv_space_gib * GiB),
             num_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

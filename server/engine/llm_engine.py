@@ -105,8 +105,10 @@ class LLMEngine:
                                                 self.limits.max_model_len)
         self._failed_steps = 0
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, max_num_seqs %d",
-            self.runner.num_blocks, block_size, self.runner.num_blocks * block_size,
+            "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB, max_model_len %d, "
+            "max_num_seqs %d", self.runner.num_blocks, block_size,
+            self.runner.num_blocks * block_size,
+            str(self.runner.kv_dtype).replace("torch.", ""), self.runner.kv_cache_bytes / 2**20,
             self.limits.max_model_len, self.limits.max_num_seqs,
         )
 

@@ -28,6 +28,7 @@ from server.hpu.bucketing import decode_buckets, format_plan, prompt_buckets, re
 from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import ForwardInputs
 from server.hpu.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
+from server.hpu.layer_ops import TorchLayerOps
 from server.hpu.platform import Platform
 from server.hpu.shapes import ShapePlanner, exact_bucket, padded_size
 from server.hpu.types import Bucket, Phase
@@ -77,12 +78,21 @@ class ModelRunner:
         self.counters = DeviceCounters(model_name)
         mode = platform.resolve_mode(config.device)
         ops = platform.prepare_model(loaded.model, mode, config.device, int4_weights, cache_dir)
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, loaded.dtype)
+        if not ops.reads_kv_dtype(self.kv_dtype):
+            logger.info("Layer ops: PyTorch (%s cannot read a %s KV cache)", ops.name,
+                        str(self.kv_dtype).replace("torch.", ""))
+            ops = TorchLayerOps()
         loaded.model.use_ops(ops)
         self.num_blocks = self._num_blocks(config, loaded, limits)
         cfg = loaded.config
         self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
             cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-            loaded.dtype, platform.device))
+            self.kv_dtype, platform.device))
+        self.kv_cache_bytes = sum(t.numel() * t.element_size()
+                                  for layer in self.kv_caches for t in layer)
+        self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
+                                   self.kv_cache_bytes)
         self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
                                    loaded.dtype, ops.decode_layout)
         self.graphs = platform.graph_runner(mode, ModelForward(loaded.model, self.kv_caches),
@@ -175,8 +185,19 @@ class ModelRunner:
             return cache.num_blocks_override
         cfg = loaded.config
         per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       cache.block_size, loaded.dtype)
+                                       cache.block_size, self.kv_dtype)
         per_seq = blocks_for(limits.max_model_len, cache.block_size)
         # No use holding more than every sequence at full length.
         return num_kv_blocks(self.platform.kv_cache_budget_bytes(cache), per_block,
                              limits.max_num_seqs * per_seq, per_seq)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype``: ``auto`` keeps the model's dtype; ``fp8`` / ``fp8_e4m3`` store
+    float8 e4m3 (unscaled, as vLLM does without calibrated scales: K/V values of these models
+    sit well inside its +-448 range)."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"--kv-cache-dtype {name!r}: auto, fp8 or fp8_e4m3")

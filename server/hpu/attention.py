@@ -60,8 +60,8 @@ def write_kv(
 ) -> None:
     """Scatter new K/V (``[T, Hkv, D]``) into their cache slots, one op per tensor."""
     index = (meta.slot_block, slice(None), meta.slot_offset)
-    k_cache[index] = key
-    v_cache[index] = value
+    k_cache[index] = key.to(k_cache.dtype)  # a no-op unless the cache is stored in fp8
+    v_cache[index] = value.to(v_cache.dtype)
 
 
 def prompt_attention(
@@ -112,6 +112,8 @@ def flat_paged_attention(
     # 2-D row gathers: the N-D index_select takes a much slower element-wise path on CPU.
     keys = k_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
     values = v_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
+    if keys.dtype != query.dtype:  # fp8 storage: upcast the gathered blocks only
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
 
     scores = torch.matmul(q_blk, keys.transpose(-1, -2)).float()  # [N, Hkv, G, B]
     scores = scores + meta.block_bias.view(num_blocks, 1, 1, block_size)

@@ -38,6 +38,11 @@ class DeviceCounters:
                               ["model_name", "phase", "state"], registry=r)
         self._warmup_seconds = Gauge("hpu_serve:warmup_seconds", "Duration of the warmup.",
                                      ["model_name"], registry=r)
+        self._cache_info = Gauge("vllm:cache_config_info", "Information of the KV cache.",
+                                 ["model_name", "block_size", "cache_dtype", "num_gpu_blocks"],
+                                 registry=r)
+        self._kv_bytes = Gauge("hpu_serve:kv_cache_bytes", "Bytes of the allocated KV cache.",
+                               ["model_name"], registry=r)
         for phase in PHASES:  # every series exists from the start, at zero
             for stage in ("warmup", "serving"):
                 self._compilations.labels(model_name, phase, stage)
@@ -48,6 +53,12 @@ class DeviceCounters:
                 self._buckets.labels(model_name, phase, state)
         self._warmup_seconds.labels(model_name)
         self._totals: dict[tuple[str, str], int] = {}
+
+    def cache_config(self, block_size: int, dtype: object, num_blocks: int,
+                     num_bytes: int) -> None:
+        name = str(dtype).replace("torch.", "")
+        self._cache_info.labels(self.model_name, str(block_size), name, str(num_blocks)).set(1)
+        self._kv_bytes.labels(self.model_name).set(num_bytes)
 
     def compiled(self, phase: str, count: int = 1) -> None:
         phase = str(phase)

@@ -86,6 +86,11 @@ class TorchLayerOps:
                          scale: float) -> torch.Tensor:
         return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale)
 
+    def reads_kv_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether these ops' attention reads a KV cache stored in ``dtype`` (these cast
+        whatever they gather)."""
+        return True
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy token per row of ``[B, V]`` logits (the first index on ties)."""
         return logits.argmax(dim=-1)

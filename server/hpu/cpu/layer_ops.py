@@ -24,6 +24,9 @@ class FusedCpuLayerOps(TorchLayerOps):
     decode_layout = "block_tables"
     dtypes = (torch.float32, torch.bfloat16)  # what the kernels are compiled for
 
+    def reads_kv_dtype(self, dtype: torch.dtype) -> bool:
+        return dtype in self.dtypes  # the kernels read K/V blocks in place, in these only
+
     def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
         """Keys transposed within each block, ``[blocks, Hkv, D, B]`` (see the kernels'
         header): the same zero-filled memory, so this is only valid before any write."""
