@@ -22,6 +22,11 @@ class Architecture:
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     # llama.cpp permutes Q/K rows (its interleaved RoPE) for these on export
     gguf_permuted_qk: bool = True
+    # sparse mixture-of-experts MLPs (server/models/moe.py) in the layers the config marks
+    moe: bool = False
+    # the top-k routing weights are always renormalised to sum to 1 (Mixtral); otherwise
+    # the config's norm_topk_prob decides (Qwen3-MoE)
+    moe_renormalize: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
