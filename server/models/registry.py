@@ -34,6 +34,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MistralForCausalLM", "mistral", "mistral"),
     Architecture("Qwen2ForCausalLM", "qwen2", "qwen2", qkv_bias=True, gguf_permuted_qk=False),
     Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", qk_norm=True, gguf_permuted_qk=False),
+    # llama.cpp exports Mixtral as "llama" with expert tensors: not read here (gguf.py refuses)
+    Architecture("MixtralForCausalLM", "mixtral", None, moe=True, moe_renormalize=True),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", None, qk_norm=True, moe=True),
 )}
 
 

@@ -34,8 +34,10 @@ def prompt_lengths() -> list[int]:
 
 
 @pytest.mark.parametrize("kwargs", [dict(tie=True), dict(tie=False),
-                                    dict(model_type="qwen3", tie=True)],
-                         ids=["tied", "untied", "qwen3"])
+                                    dict(model_type="qwen3", tie=True),
+                                    dict(model_type="mixtral", tie=False),
+                                    dict(model_type="qwen3_moe", tie=True)],
+                         ids=["tied", "untied", "qwen3", "mixtral", "qwen3-moe"])
 def test_tiny_llama_matches_transformers(tiny_model_factory, kwargs: dict) -> None:
     folder, hf_model, _ = tiny_model_factory(num_kv_heads=2, **kwargs)
     gen = torch.Generator().manual_seed(7)
