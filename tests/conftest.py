@@ -96,6 +96,18 @@ def save_tiny_model(
                                             attention_multiplier=0.05, logits_scaling=4.0,
                                             **common)
         cls = transformers.GraniteForCausalLM
+    elif model_type == "mixtral":  # 8 experts of intermediate_size, top-2, renormalised
+        config = transformers.MixtralConfig(sliding_window=None, num_local_experts=8,
+                                            num_experts_per_tok=2, **common)
+        cls = transformers.MixtralForCausalLM
+    elif model_type == "qwen3_moe":
+        # layers 0 and 2 sparse (6 experts of 48, top-2, weights not renormalised), layer 1
+        # a dense MLP of intermediate_size; head size != hidden / heads as in Qwen3
+        common["num_hidden_layers"] = 3
+        config = transformers.Qwen3MoeConfig(
+            head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=False, mlp_only_layers=[1], **common)
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling
@@ -106,7 +118,7 @@ def save_tiny_model(
     # Random init leaves tiny logit gaps; scale up so greedy choices are not coin flips.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() in (2, 3):  # 3-D: experts stacked [E, out, in], each a matrix
                 p.mul_(3.0)
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):

@@ -44,6 +44,14 @@ class ModelConfig:
     # torch dtype name from the checkpoint ("bfloat16", "float32"...), None if unknown
     checkpoint_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts == 0 for dense models. The layers
+    # listed in moe_layers replace their MLP by num_experts experts of moe_intermediate_size,
+    # num_experts_per_tok of them per token; the others keep a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -61,6 +69,7 @@ class ModelConfig:
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
         return cls(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -89,8 +98,8 @@ class ModelConfig:
             quant=QuantConfig.from_hf(_as_dict(getattr(hf, "quantization_config", None))),
             checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=eos_ids,
+            **moe,
         )
-
 
     @property
     def max_context(self) -> int:
@@ -100,6 +109,26 @@ class ModelConfig:
         if self.sliding_window is not None:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+
+def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:
+    """The expert fields of ModelConfig. Mixtral names the expert count num_local_experts and
+    sizes its experts with intermediate_size (every layer sparse); Qwen3-MoE says num_experts
+    (transformers >= 5 maps it to num_local_experts), moe_intermediate_size, and keeps dense
+    MLPs in mlp_only_layers and in the layers off every decoder_sparse_step-th."""
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
+    moe_size = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+    dense_layers = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = getattr(hf, "decoder_sparse_step", None) or 1
+    layers = tuple(i for i in range(hf.num_hidden_layers)
+                   if experts > 0 and i not in dense_layers and (i + 1) % step == 0)
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(moe_size),
+        norm_topk_prob=always_renormalize or bool(getattr(hf, "norm_topk_prob", False)),
+        moe_layers=layers,
+    )
 
 
 def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:

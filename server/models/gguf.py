@@ -91,6 +91,9 @@ def gguf_model_config(reader: object) -> ModelConfig:
 
     arch = str(get("general.architecture"))
     family = gguf_architecture(arch)
+    if int(get(f"{arch}.expert_count", 0) or 0) > 0:  # llama.cpp's Mixtral is "llama" too
+        raise ValueError(f"GGUF {arch!r} file with {get(f'{arch}.expert_count')} experts: "
+                         "mixture-of-experts models load from Hugging Face folders only")
     names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
     num_heads = int(get(f"{arch}.attention.head_count"))
     hidden = int(get(f"{arch}.embedding_length"))

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV
-cache; server/models/registry.py lists the families and what each changes."""
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2; Mixtral and
+Qwen3-MoE with the experts of moe.py) over a paged KV cache; server/models/registry.py lists
+the families and what each changes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from server.hpu.attention import AttentionMetadata
 from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import Rope, TorchLayerOps
 from server.models.config import ModelConfig
+from server.models.moe import SparseMoeBlock
 from server.models.rotary import RotaryEmbedding
 
 _TORCH_OPS = TorchLayerOps()
@@ -89,10 +91,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        # mixture-of-experts families list their sparse layers; the rest stay dense
+        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(cfg) if index in cfg.moe_layers
+                                          else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier
@@ -122,13 +126,14 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder stack plus LM head. Parameter names follow Hugging Face's, except that
-    q/k/v and gate/up are fused (the loader concatenates them)."""
+    q/k/v and gate/up are fused (the loader concatenates them) and experts are stacked
+    (``mlp.w_gate_up`` / ``mlp.w_down``, see moe.py)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling

@@ -1,8 +1,8 @@
 """Weight loading: Hugging Face folders (config.json + safetensors) and GGUF files.
 
 Checkpoint names are mapped onto the model's fused parameters (q/k/v -> qkv_proj,
-gate/up -> gate_up_proj); GGUF files are read by ``gguf.py`` (dequantized, Hugging Face
-names).
+gate/up -> gate_up_proj, each expert's projections -> the stacked w_gate_up / w_down of
+moe.py); GGUF files are read by ``gguf.py`` (dequantized, Hugging Face names).
 """
 
 from __future__ import annotations
@@ -170,6 +170,17 @@ _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# One expert's projection in a checkpoint (Mixtral's w1/w3/w2, Qwen3-MoE's names) -> the
+# stacked parameter of moe.py and the half of w_gate_up it fills (None: w_down).
+_EXPERT_PARTS = {
+    "w1": ("w_gate_up", 0), "gate_proj": ("w_gate_up", 0),
+    "w3": ("w_gate_up", 1), "up_proj": ("w_gate_up", 1),
+    "w2": ("w_down", None), "down_proj": ("w_down", None),
+}
+_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# transformers >= 5 holds the experts stacked in memory (experts.gate_up_proj [E, 2I, H],
+# experts.down_proj [E, H, I]); files it writes use the per-expert names above, but accept both.
+_STACKED_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
 
 def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -181,24 +192,28 @@ def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
     }
     loaded: set[str] = set()
     for hf_name, tensor in tensors:
-        name = hf_name.removeprefix("model.")
+        # Mixtral's sparse block is "block_sparse_moe" where the others say "mlp"
+        name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         if "rotary_emb" in name:
             continue
         if name == ROPE_FREQ_FACTORS:
             model.rotary.apply_freq_factors(tensor.flatten())
             continue
-        match = re.match(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", name)
-        if match:
+        expert = _EXPERT.match(name)
+        stacked = _STACKED_EXPERTS.match(name)
+        if expert or stacked:
+            target, tensor = _expert_target(params, expert, stacked, cfg, hf_name, tensor, loaded)
+        elif match := re.match(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$",
+                               name):
             prefix, part, kind = match.groups()
             fused, shard = _FUSED[part]
             name = f"{prefix}.{fused}.{kind}"
             sizes = shard_sizes[fused]
-            target = params[name].data.narrow(0, sum(sizes[:shard]), sizes[shard])
+            target = _param(params, name, hf_name).data.narrow(0, sum(sizes[:shard]),
+                                                                sizes[shard])
             loaded.add(f"{name}#{shard}")
         else:
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            target = params[name].data
+            target = _param(params, name, hf_name).data
             fused = name.split(".")[-2]
             if fused in shard_sizes:  # already fused in the checkpoint (Phi-3)
                 loaded.update(f"{name}#{i}" for i in range(len(shard_sizes[fused])))
@@ -207,16 +222,63 @@ def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         target.copy_(tensor)
-    _check_complete(params, loaded, shard_sizes)
+    _check_complete(params, loaded, shard_sizes, cfg)
+
+
+def _param(params: dict[str, torch.nn.Parameter], name: str, hf_name: str
+           ) -> torch.nn.Parameter:
+    if name not in params:
+        raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
+    return params[name]
+
+
+def _expert_target(
+    params: dict[str, torch.nn.Parameter], expert: re.Match[str] | None,
+    stacked: re.Match[str] | None, cfg: ModelConfig, hf_name: str, tensor: torch.Tensor,
+    loaded: set[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where in a stacked expert parameter a checkpoint tensor goes, the tensor as it goes
+    there); marks the pieces it fills. Down projections are stored transposed (moe.py)."""
+    inter = cfg.moe_intermediate_size
+    if expert is not None:
+        prefix, index, part = expert.groups()
+        e = int(index)
+        stack, half = _EXPERT_PARTS[part]
+        param = _param(params, f"{prefix}.{stack}", hf_name)
+        if e >= param.shape[0]:
+            raise KeyError(f"checkpoint tensor {hf_name!r}: expert {e} of {param.shape[0]}")
+        if half is None:
+            loaded.add(f"{prefix}.{stack}#{e}")
+            return param.data[e], tensor.t()
+        loaded.add(f"{prefix}.{stack}#{e}.{half}")
+        return param.data[e].narrow(0, half * inter, inter), tensor
+    assert stacked is not None
+    prefix, part = stacked.groups()
+    stack = "w_gate_up" if part == "gate_up_proj" else "w_down"
+    name = f"{prefix}.{stack}"
+    param = _param(params, name, hf_name)
+    loaded.update(_expert_pieces(name, param.shape[0]))
+    return param.data, (tensor if stack == "w_gate_up" else tensor.transpose(1, 2))
+
+
+def _expert_pieces(name: str, num_experts: int) -> list[str]:
+    """What a stacked expert parameter needs from a checkpoint: both halves of every
+    expert's gate/up, every expert's down."""
+    if name.endswith(".w_gate_up"):
+        return [f"{name}#{e}.{half}" for e in range(num_experts) for half in (0, 1)]
+    return [f"{name}#{e}" for e in range(num_experts)]
 
 
 def _check_complete(
-    params: dict[str, torch.nn.Parameter], loaded: set[str], shard_sizes: dict[str, list[int]]
+    params: dict[str, torch.nn.Parameter], loaded: set[str], shard_sizes: dict[str, list[int]],
+    cfg: ModelConfig,
 ) -> None:
     missing = []
     for name in params:
         fused = name.split(".")[-2]
-        if fused in shard_sizes:
+        if name.endswith((".w_gate_up", ".w_down")):
+            missing += [p for p in _expert_pieces(name, cfg.num_experts) if p not in loaded]
+        elif fused in shard_sizes:
             missing += [f"{name}#{i}" for i in range(len(shard_sizes[fused]))
                         if f"{name}#{i}" not in loaded]
         elif name not in loaded and not (name == "lm_head.weight" and "embed_tokens.weight" in loaded):

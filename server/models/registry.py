@@ -22,6 +22,11 @@ class Architecture:
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     # llama.cpp permutes Q/K rows (its interleaved RoPE) for these on export
     gguf_permuted_qk: bool = True
+    # sparse mixture-of-experts MLPs (server/models/moe.py) in the layers the config marks
+    moe: bool = False
+    # the top-k routing weights are always renormalised to sum to 1 (Mixtral); otherwise
+    # the config's norm_topk_prob decides (Qwen3-MoE)
+    moe_renormalize: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -33,6 +38,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("GraniteForCausalLM", "granite", "granite"),
     # Phi-3 / Phi-4: q/k/v and gate/up already fused in the checkpoint, LongRoPE
     Architecture("Phi3ForCausalLM", "phi3", None),
+    # llama.cpp exports Mixtral as "llama" with expert tensors: not read here (gguf.py refuses)
+    Architecture("MixtralForCausalLM", "mixtral", None, moe=True, moe_renormalize=True),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", None, qk_norm=True, moe=True),
 )}
 
 

@@ -36,8 +36,11 @@ def prompt_lengths() -> list[int]:
 @pytest.mark.parametrize("kwargs", [dict(tie=True), dict(tie=False),
                                     dict(model_type="qwen3", tie=True),
                                     dict(model_type="granite", tie=False),
-                                    dict(model_type="phi3", tie=False)],
-                         ids=["tied", "untied", "qwen3", "granite", "phi3"])
+                                    dict(model_type="phi3", tie=False),
+                                    dict(model_type="mixtral", tie=False),
+                                    dict(model_type="qwen3_moe", tie=True)],
+                         ids=["tied", "untied", "qwen3", "granite", "phi3", "mixtral",
+                              "qwen3-moe"])
 def test_tiny_llama_matches_transformers(tiny_model_factory, kwargs: dict) -> None:
     folder, hf_model, _ = tiny_model_factory(num_kv_heads=2, **kwargs)
     gen = torch.Generator().manual_seed(7)

@@ -108,3 +108,56 @@ def test_unsupported_architecture_is_a_clear_error(tiny_model, tmp_path: Path) -
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: .*Qwen3ForCausalLM"):
         load_model(resolve_model_source(str(tmp_path)), "float32", torch.device("cpu"))
+
+
+def _copy_model(src: str, dst: Path) -> Path:
+    import shutil
+
+    for f in Path(src).iterdir():
+        shutil.copy(f, dst / f.name)
+    (st,) = list(dst.glob("*.safetensors"))
+    return st
+
+
+def test_moe_checkpoint_missing_one_expert_is_rejected(tiny_model_factory, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    st = _copy_model(tiny_model_factory(model_type="mixtral", tie=False)[0], tmp_path)
+    tensors = load_file(st)
+    assert "model.layers.1.block_sparse_moe.experts.5.w3.weight" in tensors  # Hub names
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(tensors, st, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.w_gate_up#5\.1"):
+        load_model(resolve_model_source(str(tmp_path)), "float32", torch.device("cpu"))
+
+
+def test_moe_stacked_expert_names_load_alike(tiny_model_factory, tmp_path: Path) -> None:
+    """transformers >= 5's in-memory layout (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]) loads into the same weights as the per-expert files."""
+    from safetensors.torch import save_file
+
+    folder, hf_model, _ = tiny_model_factory(model_type="qwen3_moe", tie=True)
+    st = _copy_model(folder, tmp_path)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()
+             if k != "lm_head.weight"}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, st, metadata={"format": "pt"})
+    stacked = load_model(resolve_model_source(str(tmp_path)), "float32", torch.device("cpu"))
+    per_expert = load_model(resolve_model_source(folder), "float32", torch.device("cpu"))
+    for (name, a), (_, b) in zip(stacked.model.state_dict().items(),
+                                 per_expert.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_moe_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    """llama.cpp writes Mixtral as "llama" with experts: refused, not half loaded."""
+    import gguf
+
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_expert_count(8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="8 experts"):
+        gguf_model_config(gguf.GGUFReader(str(path)))
