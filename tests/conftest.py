@@ -91,6 +91,12 @@ def save_tiny_model(
             if rope_scaling else {}
         config = transformers.Phi3Config(pad_token_id=0, **extra, **common)
         cls = transformers.Phi3ForCausalLM
+    elif model_type == "gemma2":
+        # strong caps and a head size != hidden / heads, so every departure shows
+        config = transformers.Gemma2Config(head_dim=32, query_pre_attn_scalar=24,
+                                           attn_logit_softcapping=5.0,
+                                           final_logit_softcapping=3.0, **common)
+        cls = transformers.Gemma2ForCausalLM
     elif model_type == "granite":
         config = transformers.GraniteConfig(embedding_multiplier=6.0, residual_multiplier=0.3,
                                             attention_multiplier=0.05, logits_scaling=4.0,
@@ -121,7 +127,8 @@ def save_tiny_model(
             if p.dim() in (2, 3):  # 3-D: experts stacked [E, out, in], each a matrix
                 p.mul_(3.0)
         for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith(("q_norm.weight", "k_norm.weight")) or (
+                    model_type == "gemma2" and name.endswith("norm.weight")):
                 p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

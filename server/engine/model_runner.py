@@ -79,9 +79,10 @@ class ModelRunner:
         mode = platform.resolve_mode(config.device)
         ops = platform.prepare_model(loaded.model, mode, config.device, int4_weights, cache_dir)
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, loaded.dtype)
-        if not ops.reads_kv_dtype(self.kv_dtype):
-            logger.info("Layer ops: PyTorch (%s cannot read a %s KV cache)", ops.name,
-                        str(self.kv_dtype).replace("torch.", ""))
+        if not ops.can_serve(self.kv_dtype, loaded.config.attn_softcap):
+            logger.info("Layer ops: PyTorch (%s cannot serve a %s KV cache%s)", ops.name,
+                        str(self.kv_dtype).replace("torch.", ""),
+                        " or soft-capped attention" if loaded.config.attn_softcap else "")
             ops = TorchLayerOps()
         loaded.model.use_ops(ops)
         self.num_blocks = self._num_blocks(config, loaded, limits)

@@ -65,7 +65,8 @@ def write_kv(
 
 
 def prompt_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention over a right-padded ``[bs, q]`` batch with no prior context.
 
@@ -80,8 +81,16 @@ def prompt_attention(
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return out.transpose(1, 2)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return out.transpose(1, 2)
+    # Gemma 2's soft-capped scores, cap * tanh(s / cap): no fused kernel takes them
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    q_len = scores.shape[-1]
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=scores.device).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
 
 
 def flat_paged_attention(
@@ -90,6 +99,7 @@ def flat_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One decode token per row attending over its blocks. query ``[bs, Hq, D]`` -> same.
 
@@ -116,6 +126,8 @@ def flat_paged_attention(
         keys, values = keys.to(query.dtype), values.to(query.dtype)
 
     scores = torch.matmul(q_blk, keys.transpose(-1, -2)).float()  # [N, Hkv, G, B]
+    if softcap is not None:  # Gemma 2
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores + meta.block_bias.view(num_blocks, 1, 1, block_size)
     block_max = scores.amax(dim=-1)  # [N, Hkv, G]
 

@@ -55,6 +55,11 @@ class TorchLayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): tanh-approximated GELU of the gate times the up projection."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rotary_write_kv(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache,
                         meta: AttentionMetadata, num_heads: int, num_kv_heads: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,25 +75,25 @@ class TorchLayerOps:
         return query, key, value
 
     def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float
-                         ) -> torch.Tensor:
+                         kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
+                         softcap: float | None = None) -> torch.Tensor:
         """Causal attention of a right-padded prefill batch: q ``[bs * q, Hq, D]``, k / v
-        ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``."""
+        ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``; ``softcap``: Gemma 2's score cap."""
         del kv_cache  # no context beyond the prompt itself: the fresh k / v suffice
         tokens, heads, dim = query.shape
         q_len = tokens // bs
         out = prompt_attention(query.view(bs, q_len, heads, dim),
                                key.view(bs, q_len, key.shape[1], dim),
-                               value.view(bs, q_len, value.shape[1], dim), scale)
+                               value.view(bs, q_len, value.shape[1], dim), scale, softcap)
         return out.reshape(tokens, heads, dim)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
-        return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale)
+                         scale: float, softcap: float | None = None) -> torch.Tensor:
+        return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale, softcap)
 
-    def reads_kv_dtype(self, dtype: torch.dtype) -> bool:
-        """Whether these ops' attention reads a KV cache stored in ``dtype`` (these cast
-        whatever they gather)."""
+    def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None) -> bool:
+        """Whether these ops' attention reads a KV cache stored in ``kv_dtype`` and caps
+        scores where the model asks (these do both: they cast what they gather)."""
         return True
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,13 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Mistral's sliding window (tokens); contexts are capped to it, see max_context
     sliding_window: int | None = None
+    # Gemma 2 (see registry.py): the MLP's activation, score and logit caps, a norm after
+    # each sublayer, and the checkpoint's norm weights stored as (w - 1)
+    mlp_act: str = "silu"  # or "gelu_tanh"
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sandwich_norms: bool = False
+    norm_offset: float = 0.0
     # how the checkpoint's linear weights are quantized (GPTQ, AWQ, FP8), None: they are not
     quant: QuantConfig | None = None
     # torch dtype name from the checkpoint ("bfloat16", "float32"...), None if unknown
@@ -70,7 +77,8 @@ class ModelConfig:
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
-        return cls(
+        gemma = _gemma_settings(hf) if arch.gemma else {}
+        fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -98,8 +106,10 @@ class ModelConfig:
             quant=QuantConfig.from_hf(_as_dict(getattr(hf, "quantization_config", None))),
             checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=eos_ids,
-            **moe,
         )
+        fields.update(moe)
+        fields.update(gemma)  # Gemma's readings replace the Llama ones
+        return cls(**fields)
 
     @property
     def max_context(self) -> int:
@@ -109,6 +119,22 @@ class ModelConfig:
         if self.sliding_window is not None:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+
+def _gemma_settings(hf: Any) -> dict[str, Any]:
+    """Gemma 2's departures, as ModelConfig fields (they override the Llama readings)."""
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma with activation {act!r} is not supported (gelu_pytorch_tanh)")
+    return dict(
+        mlp_act="gelu_tanh",
+        embedding_multiplier=float(hf.hidden_size) ** 0.5,
+        attention_multiplier=float(hf.query_pre_attn_scalar) ** -0.5,
+        attn_softcap=getattr(hf, "attn_logit_softcapping", None) or None,
+        final_softcap=getattr(hf, "final_logit_softcapping", None) or None,
+        sandwich_norms=True,
+        norm_offset=1.0,
+    )
 
 
 def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:

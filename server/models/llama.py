@@ -46,6 +46,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.softcap = cfg.attn_softcap  # Gemma 2
         self.ops: TorchLayerOps = _TORCH_OPS
 
     def forward(
@@ -63,9 +64,10 @@ class Attention(nn.Module):
         query, key, value = self.ops.rotary_write_kv(qkv, rope, kv_cache, meta, self.num_heads,
                                                      self.num_kv_heads)
         if meta.is_prompt:
-            out = self.ops.prompt_attention(query, key, value, kv_cache, meta, bs, self.scale)
+            out = self.ops.prompt_attention(query, key, value, kv_cache, meta, bs, self.scale,
+                                            self.softcap)
         else:
-            out = self.ops.decode_attention(query, kv_cache, meta, self.scale)
+            out = self.ops.decode_attention(query, kv_cache, meta, self.scale, self.softcap)
         return self.o_proj(out.reshape(bs, q_len, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -84,10 +86,14 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gelu = cfg.mlp_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
         self.ops: TorchLayerOps = _TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        act = self.ops.gelu_tanh_and_mul(gate_up) if self.gelu else \
+            self.ops.silu_and_mul(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -100,6 +106,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier
+        # Gemma 2 norms each sublayer's output too (its post_attention_layernorm is that
+        # norm; the pre-MLP one is pre_feedforward_layernorm)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -115,6 +127,10 @@ class DecoderLayer(nn.Module):
         same code (one compiled graph serves them all)."""
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x),
+                                                         residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         if self.residual_multiplier != 1.0:  # Granite
             x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
@@ -170,4 +186,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
+        if self.config.final_softcap is not None:  # Gemma 2
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits

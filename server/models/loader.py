@@ -194,6 +194,8 @@ def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
     for hf_name, tensor in tensors:
         # Mixtral's sparse block is "block_sparse_moe" where the others say "mlp"
         name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+        if cfg.norm_offset and name.endswith("norm.weight"):
+            tensor = tensor.float() + cfg.norm_offset  # Gemma keeps its norms as w - 1
         if "rotary_emb" in name:
             continue
         if name == ROPE_FREQ_FACTORS:

@@ -27,6 +27,9 @@ class Architecture:
     # the top-k routing weights are always renormalised to sum to 1 (Mixtral); otherwise
     # the config's norm_topk_prob decides (Qwen3-MoE)
     moe_renormalize: bool = False
+    # Gemma 2: (1 + w) norms, a norm after each sublayer too, GeGLU, embeddings scaled by
+    # sqrt(hidden), soft-capped attention scores and logits
+    gemma: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -38,6 +41,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("GraniteForCausalLM", "granite", "granite"),
     # Phi-3 / Phi-4: q/k/v and gate/up already fused in the checkpoint, LongRoPE
     Architecture("Phi3ForCausalLM", "phi3", None),
+    Architecture("Gemma2ForCausalLM", "gemma2", None, gemma=True),
     # llama.cpp exports Mixtral as "llama" with expert tensors: not read here (gguf.py refuses)
     Architecture("MixtralForCausalLM", "mixtral", None, moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", None, qk_norm=True, moe=True),

@@ -38,9 +38,10 @@ def prompt_lengths() -> list[int]:
                                     dict(model_type="granite", tie=False),
                                     dict(model_type="phi3", tie=False),
                                     dict(model_type="mixtral", tie=False),
-                                    dict(model_type="qwen3_moe", tie=True)],
+                                    dict(model_type="qwen3_moe", tie=True),
+                                    dict(model_type="gemma2", tie=True)],
                          ids=["tied", "untied", "qwen3", "granite", "phi3", "mixtral",
-                              "qwen3-moe"])
+                              "qwen3-moe", "gemma2"])
 def test_tiny_llama_matches_transformers(tiny_model_factory, kwargs: dict) -> None:
     folder, hf_model, _ = tiny_model_factory(num_kv_heads=2, **kwargs)
     gen = torch.Generator().manual_seed(7)

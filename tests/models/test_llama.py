@@ -62,11 +62,12 @@ def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int,
         dict(model_type="phi3", tie=False, num_kv_heads=2, rope_scaling=PHI3_LONGROPE),
         dict(model_type="mixtral", tie=False, num_kv_heads=2),
         dict(model_type="qwen3_moe", tie=True, num_kv_heads=2),
+        dict(model_type="gemma2", tie=True, num_kv_heads=2),
         dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                high_freq_factor=4.0, original_max_position_embeddings=64)),
     ],
     ids=["llama-tied-gqa", "llama-untied-mqa", "qwen2-bias", "mistral-mha", "qwen3-qk-norm",
-         "granite-multipliers", "phi3-longrope", "mixtral-moe", "qwen3-moe", "llama3-rope"],
+         "granite-multipliers", "phi3-longrope", "mixtral-moe", "qwen3-moe", "gemma2", "llama3-rope"],
 )
 def test_logits_match_transformers(tiny_model_factory, kwargs) -> None:
     assert_logits_match(*tiny_model_factory(**kwargs)[:2])

@@ -12,7 +12,8 @@ from transformers import GenerationConfig
 NEW_TOKENS = 12
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "granite", "phi3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3", "granite", "phi3", "mixtral", "qwen3_moe",
+                                        "gemma2"])
 def test_architecture_served_over_http(tiny_model_factory, model_type: str) -> None:
     folder, hf_model, hf_tokenizer = tiny_model_factory(model_type=model_type, tie=True)
     prompt = torch.randint(3, hf_model.config.vocab_size, (11,),

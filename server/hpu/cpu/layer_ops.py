@@ -24,8 +24,9 @@ class FusedCpuLayerOps(TorchLayerOps):
     decode_layout = "block_tables"
     dtypes = (torch.float32, torch.bfloat16)  # what the kernels are compiled for
 
-    def reads_kv_dtype(self, dtype: torch.dtype) -> bool:
-        return dtype in self.dtypes  # the kernels read K/V blocks in place, in these only
+    def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None) -> bool:
+        # the kernels read K/V blocks in place, in these dtypes only, and cap no scores
+        return kv_dtype in self.dtypes and attn_softcap is None
 
     def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
         """Keys transposed within each block, ``[blocks, Hkv, D, B]`` (see the kernels'
@@ -71,15 +72,16 @@ class FusedCpuLayerOps(TorchLayerOps):
     kernel_prompt_max = 768
 
     def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float
-                         ) -> torch.Tensor:
+                         kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
+                         softcap: float | None = None) -> torch.Tensor:
+        assert softcap is None, "can_serve() sends soft-capped models to PyTorch ops"
         if meta.block_tables is None or query.shape[0] // bs > self.kernel_prompt_max:
             return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale)
         return self.decode_attention(query, kv_cache, meta, scale)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
-        assert meta.block_tables is not None and meta.seq_lens is not None
+                         scale: float, softcap: float | None = None) -> torch.Tensor:
+        assert softcap is None and meta.block_tables is not None and meta.seq_lens is not None
         return self._attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
                                meta.seq_lens, scale)
 
