@@ -24,13 +24,13 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(path: Path, hf_model, arch: str = "llama", quantize=None) -> None:
     """As llama.cpp's converter lays the file out: "llama" with permuted Q/K rows and
-    rope_freqs (Llama 3.1 scaling), "qwen3" in the HF row order with q/k norms and its head
-    size as the key length."""
+    rope_freqs (Llama 3.1 scaling), "granite" permuted with its four scales, "qwen2" /
+    "qwen3" in the HF row order (q/k norms, head size as the key length)."""
     import gguf
 
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    llama = arch == "llama"
+    llama = arch in ("llama", "granite")  # llama.cpp permutes Q/K rows for both
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -41,7 +41,13 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", quantize=None) -> None
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    if llama:
+    if arch == "granite":
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+    elif llama:
         writer.add_rope_dimension_count(head_dim)
         base = rope_inv_freq(head_dim, float(cfg.rope_parameters["rope_theta"]), None)
         scaled = rope_inv_freq(head_dim, float(cfg.rope_parameters["rope_theta"]), SCALING)
@@ -199,4 +205,19 @@ def test_quantized_gguf_types_load_to_llama_cpp_values(tmp_path: Path, kind: str
     with torch.no_grad():
         ref = reference(ids).logits[0]
     torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=3e-4,
+                               rtol=1e-4)
+
+
+def test_granite_gguf_matches_transformers(tiny_model_factory, tmp_path: Path) -> None:
+    """Granite as llama.cpp exports it: permuted Q/K rows, its multipliers as GGUF scales."""
+    _, hf_model, _ = tiny_model_factory(model_type="granite", tie=False)
+    path = tmp_path / "tiny-granite.gguf"
+    write_gguf(path, hf_model, arch="granite")
+    loaded = load_model(resolve_model_source(str(path)), "float32", torch.device("cpu"))
+    assert loaded.config.residual_multiplier == pytest.approx(0.3)
+    ids = torch.randint(3, hf_model.config.vocab_size, (1, 40),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf_model(ids).logits[0]
+    torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=2e-4,
                                rtol=1e-4)
