@@ -33,6 +33,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prompt-fraction", type=float, default=0.0,
                         help="this fraction of the prompts is --long-input-len tokens long")
     parser.add_argument("--long-input-len", type=int, default=4096)
+    parser.add_argument("--turns", type=int, default=1,
+                        help="each prompt opens a chat of this many user turns (--input-len "
+                             "new tokens each), every turn resending the history with the "
+                             "server's answers (needs --endpoint chat)")
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="lengths uniform in [len*(1-r), len*(1+r)]; 0 = fixed")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
@@ -65,7 +69,9 @@ def run_bench(args: argparse.Namespace) -> int:
     spec = WorkloadSpec(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                         args.seed, shared_prefix_len=args.shared_prefix_len,
                         long_fraction=args.long_prompt_fraction,
-                        long_input_len=args.long_input_len)
+                        long_input_len=args.long_input_len, turns=args.turns)
+    if args.turns > 1 and args.endpoint != "chat":
+        raise SystemExit("error: --turns needs --endpoint chat")
     special = set(tokenizer.hf.all_special_ids)
     requests = synthetic_requests(spec, tokenizer, special)
     model = args.model or asyncio.run(discover_model(args.base_url, args.api_key))

@@ -46,13 +46,19 @@ class Endpoint:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def body(self, req: BenchRequest) -> dict[str, Any]:
+    def body(self, req: BenchRequest, history: list[tuple[str, str]] | None = None
+             ) -> dict[str, Any]:
+        """The request's JSON; ``history``: earlier (user, assistant) turns of its
+        conversation, resent before its own text (chat only)."""
         body: dict[str, Any] = {
             "model": self.model, "max_tokens": req.output_len, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True},
         }
         if self.api == "chat":
-            body["messages"] = [{"role": "user", "content": req.prompt}]
+            body["messages"] = [m for user, answer in history or ()
+                                for m in ({"role": "user", "content": user},
+                                          {"role": "assistant", "content": answer})]
+            body["messages"].append({"role": "user", "content": req.prompt})
         else:
             body["prompt"] = req.prompt
         if self.ignore_eos:
@@ -71,14 +77,17 @@ def _delta_text(chunk: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest) -> RequestResult:
-    """Streams one request; never raises (a failure is a result with ``ok=False``)."""
+async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest,
+               history: list[tuple[str, str]] | None = None) -> RequestResult:
+    """Streams one request; never raises (a failure is a result with ``ok=False``). The
+    prompt length becomes the server's count when it reports usage (a multi-turn request's
+    prompt holds its whole history)."""
     result = RequestResult(ok=False, prompt_len=req.prompt_len)
     start = last = time.perf_counter()
     chunks = 0
     usage_tokens: int | None = None
     try:
-        async with client.stream("POST", endpoint.url, json=endpoint.body(req),
+        async with client.stream("POST", endpoint.url, json=endpoint.body(req, history),
                                  headers=endpoint.headers()) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
@@ -93,6 +102,7 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest)
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
+                    result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
                 text = _delta_text(chunk)
                 if not text:
                     continue

@@ -23,6 +23,10 @@ class BenchRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    # multi-turn workloads: the conversation this turn belongs to (turns of one run in
+    # order, each resending the history with the answers the server gave); None: alone
+    conversation: int | None = None
+    turn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +45,16 @@ class WorkloadSpec:
     # this fraction of the prompts has long_input_len tokens instead (a long-prompt mix)
     long_fraction: float = 0.0
     long_input_len: int = 4096
+    # each of the num_prompts prompts opens a conversation of this many user turns
+    turns: int = 1
 
     def __post_init__(self) -> None:
         if self.shared_prefix_len < 0 or self.long_input_len < 1:
             raise ValueError("--shared-prefix-len must be >= 0, --long-input-len >= 1")
         if not 0.0 <= self.long_fraction <= 1.0:
             raise ValueError("--long-prompt-fraction must be in [0, 1]")
+        if self.turns < 1:
+            raise ValueError("--turns must be >= 1")
 
 
 def _length(rng: random.Random, mean: int, ratio: float) -> int:
@@ -101,7 +109,13 @@ def synthetic_requests(spec: WorkloadSpec, tokenizer: TextTokenizer,
         if prefix:
             text = prefix + text
             actual = len(tokenizer.encode(text, add_special_tokens=False))
-        requests.append(BenchRequest(text, actual, out_len))
+        if spec.turns == 1:
+            requests.append(BenchRequest(text, actual, out_len))
+            continue
+        requests.append(BenchRequest(text, actual, out_len, conversation=i, turn=0))
+        for turn in range(1, spec.turns):  # follow-ups: new user text of input_len tokens
+            more, more_len = _prompt_of_length(rng, tokenizer, in_len, special)
+            requests.append(BenchRequest(more, more_len, out_len, conversation=i, turn=turn))
     return requests
 
 

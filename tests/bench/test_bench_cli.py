@@ -65,3 +65,23 @@ def test_bench_counts_failures_and_exits_nonzero(tiny_model, bench_server, tmp_p
     assert result["completed"] == 0
     assert result["failed"] == 12
     assert any("HTTP 401" in e for e in result["errors"])
+
+
+def test_multi_turn_conversations_resend_their_history(tiny_model, bench_server,
+                                                       tmp_path) -> None:
+    url = bench_server.base_url
+    before = counter(url, "vllm:prompt_tokens_total")
+    proc, result = bench(tiny_model, url, tmp_path, "--api-key", "k3y", "--endpoint", "chat",
+                         "--turns", "3", "--warmup-requests", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert result["completed"] == 12 * 3
+    lens = result["per_request"]["prompt_len"]
+    # the server counted exactly the prompts the results report (usage.prompt_tokens)
+    assert counter(url, "vllm:prompt_tokens_total") - before == sum(lens)
+    for c in range(12):
+        first, second, third = lens[3 * c: 3 * c + 3]
+        # each turn carries the earlier turns and the 10-token answers to them
+        assert first + 10 + 20 <= second and second + 10 + 20 <= third, lens[3 * c: 3 * c + 3]
+    bad = subprocess.run([sys.executable, "-m", "server", "bench", "--base-url", url,
+                          "--turns", "2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--turns needs --endpoint chat" in bad.stderr
