@@ -11,15 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-
-def _partial(buf: str, marker: str) -> int:
-    """Length of the longest end of ``buf`` that starts ``marker`` (short of all of it)."""
-    at = buf.find(marker[0], max(0, len(buf) - len(marker) + 1))
-    while at >= 0:
-        if marker.startswith(buf[at:]):
-            return len(buf) - at
-        at = buf.find(marker[0], at + 1)
-    return 0
+from server.api.markers import partial_marker
 
 
 class ReasoningParser:
@@ -90,7 +82,7 @@ class ReasoningParser:
             buf = self._hold + s
             k = buf.find(self.end)
             if k < 0:
-                n = _partial(buf, self.end)
+                n = partial_marker(buf, self.end)
                 self._hold = buf[len(buf) - n:] if n else ""
                 self._reason(buf[:len(buf) - n])
                 return

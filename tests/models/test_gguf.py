@@ -104,6 +104,15 @@ def test_gguf_with_permuted_qk_and_rope_freqs_matches_transformers(tiny_model_fa
                                rtol=1e-4)
 
 
+def assert_last_logits_match(loaded, hf_model, length: int) -> None:
+    ids = torch.randint(3, hf_model.config.vocab_size, (1, length),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf_model(ids).logits[0]
+    torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=2e-4,
+                               rtol=1e-4)
+
+
 def last_logits(loaded, prompt: list[int]) -> torch.Tensor:
     """Our logits at the prompt's last position, through a paged prefill."""
     from server.engine.block_manager import BlockManager
@@ -132,12 +141,7 @@ def test_qwen3_gguf_matches_transformers(tiny_model_factory, tmp_path: Path) -> 
     write_gguf(path, hf_model, arch="qwen3")
     loaded = load_model(resolve_model_source(str(path)), "float32", torch.device("cpu"))
     assert loaded.config.qk_norm and loaded.config.head_dim == 32
-    ids = torch.randint(3, hf_model.config.vocab_size, (1, 40),
-                        generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = hf_model(ids).logits[0]
-    torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=2e-4,
-                               rtol=1e-4)
+    assert_last_logits_match(loaded, hf_model, length=40)
 
 
 def random_q4_k(array: np.ndarray):
@@ -215,9 +219,4 @@ def test_granite_gguf_matches_transformers(tiny_model_factory, tmp_path: Path) -
     write_gguf(path, hf_model, arch="granite")
     loaded = load_model(resolve_model_source(str(path)), "float32", torch.device("cpu"))
     assert loaded.config.residual_multiplier == pytest.approx(0.3)
-    ids = torch.randint(3, hf_model.config.vocab_size, (1, 40),
-                        generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = hf_model(ids).logits[0]
-    torch.testing.assert_close(last_logits(loaded, ids[0].tolist()), ref[-1], atol=2e-4,
-                               rtol=1e-4)
+    assert_last_logits_match(loaded, hf_model, length=40)

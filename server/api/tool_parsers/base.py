@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from server.api.markers import partial_marker
+
 _ALNUM = string.ascii_letters + string.digits
 _rng = random.SystemRandom()
 
@@ -45,16 +47,6 @@ class ToolCallDelta:
 class StreamDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
-
-
-def _partial(buf: str, tag: str) -> int:
-    """Length of the longest end of ``buf`` that starts ``tag`` (short of all of it)."""
-    at = buf.find(tag[0], max(0, len(buf) - len(tag) + 1))
-    while at >= 0:
-        if tag.startswith(buf[at:]):
-            return len(buf) - at
-        at = buf.find(tag[0], at + 1)
-    return 0
 
 
 # ---- the parsers' base ------------------------------------------------------------------
@@ -147,7 +139,7 @@ class ToolParser:
             self._hold = ""
             emit(buf[:k])
             return buf[k + len(tag):]
-        n = _partial(buf, tag)
+        n = partial_marker(buf, tag)
         self._hold = buf[len(buf) - n:] if n else ""
         emit(buf[:len(buf) - n])
         return None
