@@ -120,18 +120,20 @@ class Scheduler:
         longest = 0
         while self.waiting and len(self.running) + len(seqs) < self.limits.max_num_seqs:
             seq = self.waiting[0]
-            if num_tokens + seq.num_tokens > self.limits.max_num_batched_tokens:
+            if not self.block_manager.can_allocate(seq):
                 break
-            longest_with = max(longest, seq.num_tokens)
+            # only the tokens past its cached prefix are computed
+            new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
+            if num_tokens + new_tokens > self.limits.max_num_batched_tokens:
+                break
+            longest_with = max(longest, new_tokens)
             if seqs and self.prefill_fits and not self.prefill_fits(len(seqs) + 1, longest_with):
-                break
-            if not self.block_manager.can_allocate(seq.num_tokens):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             seqs.append(seq)
-            num_tokens += seq.num_tokens
+            num_tokens += new_tokens
             longest = longest_with
         if not seqs:
             return None

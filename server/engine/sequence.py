@@ -44,6 +44,10 @@ class Sequence:
     generator: Any = None
     # Its structured-outputs matcher (engine.structured_outputs.GrammarState), if any.
     grammar: Any = None
+    # Prefix caching: the names of its full blocks, and how many leading tokens its last
+    # allocation found cached (the prefill computes the rest)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
