@@ -58,6 +58,8 @@ class CacheConfig:
     # auto: the model's dtype; fp8 / fp8_e4m3: float8 e4m3 storage (half of bf16's bytes),
     # upcast where attention reads it
     kv_cache_dtype: str = "auto"
+    # share full KV blocks between requests with the same token prefix (vLLM's default)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -232,6 +234,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="reuse the KV blocks of a prompt prefix computed before (full "
+                             "blocks, chained hashes); eager execution only for now")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="fp8: store K/V as float8 e4m3 (half the bytes of bf16), upcast "
                              "in attention; on CPU this runs PyTorch attention, not the fused "
@@ -269,6 +275,7 @@ def engine_config_from_args(
             cpu_kvcache_space_bytes=int(kv_space_gib * GiB),
             num_blocks_override=args.num_gpu_blocks_override,
             kv_cache_dtype=args.kv_cache_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -52,10 +52,16 @@ class EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric([self._model], value)
             yield gauge
-        counter = CounterMetricFamily("vllm:num_preemptions", "Preemptions by recompute.",
-                                      labels=labels)
-        counter.add_metric([self._model], s.num_preemptions)
-        yield counter
+        for name, doc, value in (
+            ("vllm:num_preemptions", "Preemptions by recompute.", s.num_preemptions),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             getattr(s, "prefix_cache_queries", 0)),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             getattr(s, "prefix_cache_hits", 0)),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self._model], value)
+            yield counter
 
 
 class ServerMetrics:

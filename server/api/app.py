@@ -23,6 +23,7 @@ from server.api.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResetPrefixCacheResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -116,6 +117,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_name,
                                          max_model_len=ctx.max_model_len)])
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> ResetPrefixCacheResponse:
+        """Drops every cached prompt prefix (vLLM's endpoint; behind --api-key)."""
+        return ResetPrefixCacheResponse(dropped_blocks=await ctx.engine.reset_prefix_cache())
 
     @app.get("/health")
     async def health() -> Response:

@@ -21,6 +21,9 @@ async def _reply(send: Any, status: int, message: str, close: bool = False) -> N
     await send({"type": "http.response.body", "body": body})
 
 
+# Paths behind --api-key: the OpenAI API and the cache administration.
+PROTECTED = ("/v1", "/reset_prefix_cache")
+
 class GuardMiddleware:
     """Checks the bearer key on /v1/*, caps body size, and tags responses with X-Request-Id.
 
@@ -47,7 +50,8 @@ class GuardMiddleware:
                     (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
-        if self.api_key and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if self.api_key and scope["path"].startswith(PROTECTED) and \
+                scope["method"] != "OPTIONS":
             given = headers.get("authorization", "")
             expected = f"Bearer {self.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):

@@ -350,6 +350,11 @@ class ErrorInfo(BaseModel):
     code: str | None = None  # OpenAI: a string or null (vLLM sends the status as an int)
 
 
+class ResetPrefixCacheResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    dropped_blocks: int  # cached prefix blocks forgotten
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
 

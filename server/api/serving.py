@@ -59,6 +59,9 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    async def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix; the number of blocks that were cached."""
+
     def stats(self) -> EngineStats: ...
 
 

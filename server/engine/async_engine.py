@@ -139,6 +139,12 @@ class AsyncEngine:
         self._commands.put(CallOnEngineThread(fn, args, future))
         return future.result()
 
+    async def reset_prefix_cache(self) -> int:
+        """Drops every cached prefix, on the engine thread between steps."""
+        future: Future[int] = Future()
+        self._commands.put(CallOnEngineThread(self.engine.reset_prefix_cache, (), future))
+        return await asyncio.wrap_future(future)
+
     @property
     def model_name(self) -> str:
         return self.engine.model_name

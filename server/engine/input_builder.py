@@ -39,32 +39,46 @@ class InputBuilder:
     def prefill(
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
     ) -> ForwardInputs:
-        """Every token of each sequence, right-padded into ``[bs, q]``."""
-        lens = [s.num_tokens for s in seqs]
+        """Each sequence's tokens past its cached prefix, right-padded into ``[bs, q]``;
+        with a cached prefix the queries start at its end and attend to it in the cache."""
+        starts = [s.num_cached_tokens for s in seqs]
+        lens = [s.num_tokens - c for s, c in zip(seqs, starts)]
         bs, q = pad_to if pad_to is not None else (len(seqs), max(lens))
         block = self.block_size
+        width = max([-(-(c + q) // block) for c in starts] + [1])
         token_ids = torch.zeros(bs, q, dtype=torch.long)
-        block_tables = torch.full((bs, -(-q // block)), self.pad_block_id, dtype=torch.long)
+        block_tables = torch.full((bs, width), self.pad_block_id, dtype=torch.long)
         for row, seq in enumerate(seqs):
-            token_ids[row, : lens[row]] = torch.tensor(seq.all_token_ids)
+            token_ids[row, : lens[row]] = torch.tensor(seq.all_token_ids[starts[row]:])
             block_tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
-        seq_lens = torch.zeros(bs, dtype=torch.long)
+        seq_lens = torch.zeros(bs, dtype=torch.long)  # new tokens per row
         seq_lens[: len(seqs)] = torch.tensor(lens)
-        positions = torch.arange(q).expand(bs, q)
-        is_real = positions < seq_lens.unsqueeze(1)
+        context = torch.zeros(bs, dtype=torch.long)  # cached tokens per row
+        context[: len(seqs)] = torch.tensor(starts)
+        offsets = torch.arange(q).expand(bs, q)
+        positions = offsets + context.unsqueeze(1)
+        is_real = offsets < seq_lens.unsqueeze(1)
         slots = block_tables.gather(1, positions // block) * block + positions % block
-        pad_slots = self.pad_block_id * block + positions % block
+        pad_slots = self.pad_block_id * block + offsets % block
         slot_mapping = torch.where(is_real, slots, pad_slots).reshape(-1)
         # Pad rows point at token 0: their logits are computed (static shape) and dropped.
         logits_indices = (torch.arange(bs) * q + seq_lens - 1).clamp(min=0)
         meta = AttentionMetadata(True, block, slot_mapping.to(self.device))
+        total = (context + seq_lens).clamp(min=1)
         if self.decode_layout == "block_tables":
             # Every token is a row of the paged-attention kernel: its sequence's table and
-            # the keys up to itself (causal); pad tokens see their row's real keys.
+            # the keys up to itself (causal, cached prefix included); pad tokens see their
+            # row's real keys.
             meta.block_tables = block_tables.to(torch.int32).repeat_interleave(q, dim=0).to(
                 self.device)
-            token_lens = torch.minimum(positions + 1, seq_lens.clamp(min=1).unsqueeze(1))
+            token_lens = torch.minimum(positions + 1, total.unsqueeze(1))
             meta.seq_lens = token_lens.reshape(-1).to(torch.int32).to(self.device)
+            meta.has_context = any(starts)
+        elif any(starts):
+            # the queries attend to the cache (prefix and their own fresh keys)
+            meta.context_tables = block_tables.to(self.device)
+            meta.context_lens = context.to(self.device)
+            meta.total_lens = total.to(self.device)
         return ForwardInputs(
             token_ids.to(self.device),
             torch.where(is_real, positions, 0).to(self.device),

@@ -48,6 +48,8 @@ class EngineStats:
     num_blocks: int
     kv_cache_usage: float
     num_preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up (cumulative)
+    prefix_cache_hits: int = 0  # of which found cached
 
 
 class LLMEngine:
@@ -92,7 +94,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, platform, loaded, self.limits, self.eos_token_ids,
                                   self.model_name, cache_dir, int4_weights)
         block_size = config.cache.block_size
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
+        caching = config.cache.enable_prefix_caching
+        if caching and self.runner.graphs.needs_warmup:
+            # a prefill after a cached prefix has context blocks: shapes the warmed-up
+            # prompt buckets do not cover yet
+            logger.info("Prefix caching is off: it runs in eager execution only for now")
+            caching = False
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size, caching)
         assert self.block_manager.pad_block_id == self.runner.pad_block_id
         self.scheduler = Scheduler(self.limits, self.block_manager,
                                    self.runner.prefill_fits if self.runner.shapes else None)
@@ -185,7 +193,10 @@ class LLMEngine:
         bitmask = None
         if self._structured is not None:
             bitmask = self._structured.bitmask([s.grammar for s in batch.seqs])
-        return self.runner.execute(batch, bitmask)
+        result = self.runner.execute(batch, bitmask)
+        for seq in batch.seqs:  # their K/V are in the cache now: full blocks can be shared
+            self.block_manager.cache_blocks(seq, seq.num_tokens)
+        return result
 
     def _retire(self, processed: ProcessedStep) -> list[RequestOutput]:
         """Frees what the step finished: stopped sequences, and failed requests whole."""
@@ -240,4 +251,9 @@ class LLMEngine:
         return EngineStats(
             self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
             bm.num_blocks, bm.usage, self.scheduler.num_preemptions,
+            bm.stats.queries, bm.stats.hits,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix; the number of blocks that were named."""
+        return self.block_manager.reset_prefix_cache()

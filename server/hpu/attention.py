@@ -43,6 +43,11 @@ class AttentionMetadata:
     # decode with per-row tables instead (the fused CPU kernel reads blocks in place):
     block_tables: torch.Tensor | None = None  # [bs, max blocks] int32 physical block ids
     seq_lens: torch.Tensor | None = None  # [bs] int32 tokens per row, the new one included
+    # prefill after a cached prefix (prefix caching), read from the cache:
+    has_context: bool = False  # some row starts after a cached prefix (block-table layout)
+    context_tables: torch.Tensor | None = None  # [bs, blocks] long: each row's whole table
+    context_lens: torch.Tensor | None = None  # [bs] cached tokens before the row's queries
+    total_lens: torch.Tensor | None = None  # [bs] cached + new tokens
 
     def __post_init__(self) -> None:
         if self.slot_block is None:
@@ -91,6 +96,41 @@ def prompt_attention(
     causal = torch.ones(q_len, q_len, dtype=torch.bool, device=scores.device).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
     return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, softcap: float | None = None,
+) -> torch.Tensor:
+    """Prefill queries ``[bs, q, Hq, D]`` after a cached prefix: each row attends to its
+    whole sequence in the cache (the prefix, and its own keys written just before), causally
+    by absolute position. Gathers each row's blocks, so its cost grows with the context."""
+    assert meta.context_tables is not None and meta.context_lens is not None
+    assert meta.total_lens is not None
+    bs, q_len, num_q_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    groups = num_q_heads // num_kv_heads
+    tables = meta.context_tables
+    keys = k_cache.index_select(0, tables.reshape(-1)).view(
+        bs, tables.shape[1], num_kv_heads, meta.block_size, head_dim)
+    values = v_cache.index_select(0, tables.reshape(-1)).view_as(keys)
+    # [bs, Hkv, L, D], L = blocks * block_size, position-ordered
+    keys = keys.permute(0, 2, 1, 3, 4).reshape(bs, num_kv_heads, -1, head_dim)
+    values = values.permute(0, 2, 1, 3, 4).reshape(bs, num_kv_heads, -1, head_dim)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    q = query.transpose(1, 2)  # [bs, Hq, q, D]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [bs, Hq, q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    key_pos = torch.arange(keys.shape[2], device=query.device)
+    query_pos = meta.context_lens.view(bs, 1) + torch.arange(q_len, device=query.device)
+    visible = (key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)) & \
+        (key_pos.view(1, 1, -1) < meta.total_lens.view(bs, 1, 1))
+    probs = scores.masked_fill(~visible.unsqueeze(1), float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs.to(values.dtype), values).transpose(1, 2)
 
 
 def flat_paged_attention(

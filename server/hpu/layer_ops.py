@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from server.hpu.attention import (
     AttentionMetadata,
     flat_paged_attention,
+    paged_prefill_attention,
     prompt_attention,
     write_kv,
 )
@@ -79,9 +80,13 @@ class TorchLayerOps:
                          softcap: float | None = None) -> torch.Tensor:
         """Causal attention of a right-padded prefill batch: q ``[bs * q, Hq, D]``, k / v
         ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``; ``softcap``: Gemma 2's score cap."""
-        del kv_cache  # no context beyond the prompt itself: the fresh k / v suffice
         tokens, heads, dim = query.shape
         q_len = tokens // bs
+        if meta.context_lens is not None:  # after a cached prefix: read it from the cache
+            out = paged_prefill_attention(query.view(bs, q_len, heads, dim), kv_cache[0],
+                                          kv_cache[1], meta, scale, softcap)
+            return out.reshape(tokens, heads, dim)
+        # no context beyond the prompt itself: the fresh k / v suffice
         out = prompt_attention(query.view(bs, q_len, heads, dim),
                                key.view(bs, q_len, key.shape[1], dim),
                                value.view(bs, q_len, value.shape[1], dim), scale, softcap)

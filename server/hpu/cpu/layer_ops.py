@@ -75,7 +75,9 @@ class FusedCpuLayerOps(TorchLayerOps):
                          kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
                          softcap: float | None = None) -> torch.Tensor:
         assert softcap is None, "can_serve() sends soft-capped models to PyTorch ops"
-        if meta.block_tables is None or query.shape[0] // bs > self.kernel_prompt_max:
+        # after a cached prefix only the kernel reads it (from the cache), however long
+        if meta.block_tables is None or (query.shape[0] // bs > self.kernel_prompt_max
+                                         and not meta.has_context):
             return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale)
         return self.decode_attention(query, kv_cache, meta, scale)
 

@@ -1,0 +1,39 @@
+"""Prefix caching seen from outside: vLLM's counters on /metrics and POST
+/reset_prefix_cache behind the API key."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_process import MODEL_NAME, TINY_FLAGS, start_server
+
+
+def counter(base_url: str, name: str) -> float:
+    text = httpx.get(base_url + "/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_model):
+    srv = start_server(tiny_model[0], *TINY_FLAGS, env={"VLLM_API_KEY": "k3y"})
+    yield srv
+    srv.stop()
+
+
+def test_shared_prefix_hits_are_counted_and_reset_forgets_them(keyed_server) -> None:
+    url, auth = keyed_server.base_url, {"Authorization": "Bearer k3y"}
+    prefix = list(range(10, 60))  # 3 full blocks of 16
+    for tail in ([1, 2], [3, 4, 5]):
+        resp = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
+            "model": MODEL_NAME, "prompt": prefix + tail, "max_tokens": 3})
+        assert resp.status_code == 200, resp.text
+    assert counter(url, "vllm:prefix_cache_queries_total") == 52 + 53
+    assert counter(url, "vllm:prefix_cache_hits_total") == 48
+    assert httpx.post(url + "/reset_prefix_cache").status_code == 401
+    reset = httpx.post(url + "/reset_prefix_cache", headers=auth)
+    assert reset.status_code == 200 and reset.json()["dropped_blocks"] >= 3
+    httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
+        "model": MODEL_NAME, "prompt": prefix + [6], "max_tokens": 3})
+    assert counter(url, "vllm:prefix_cache_hits_total") == 48  # nothing left to hit
