@@ -73,9 +73,9 @@ class InputBuilder:
                 self.device)
             token_lens = torch.minimum(positions + 1, total.unsqueeze(1))
             meta.seq_lens = token_lens.reshape(-1).to(torch.int32).to(self.device)
-            meta.has_context = any(starts)
-        elif any(starts):
+        if any(starts):
             # the queries attend to the cache (prefix and their own fresh keys)
+            meta.has_context = True
             meta.context_tables = block_tables.to(self.device)
             meta.context_lens = context.to(self.device)
             meta.total_lens = total.to(self.device)

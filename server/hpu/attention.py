@@ -44,7 +44,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [bs, max blocks] int32 physical block ids
     seq_lens: torch.Tensor | None = None  # [bs] int32 tokens per row, the new one included
     # prefill after a cached prefix (prefix caching), read from the cache:
-    has_context: bool = False  # some row starts after a cached prefix (block-table layout)
+    has_context: bool = False  # some row starts after a cached prefix
     context_tables: torch.Tensor | None = None  # [bs, blocks] long: each row's whole table
     context_lens: torch.Tensor | None = None  # [bs] cached tokens before the row's queries
     total_lens: torch.Tensor | None = None  # [bs] cached + new tokens
@@ -104,7 +104,8 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Prefill queries ``[bs, q, Hq, D]`` after a cached prefix: each row attends to its
     whole sequence in the cache (the prefix, and its own keys written just before), causally
-    by absolute position. Gathers each row's blocks, so its cost grows with the context."""
+    by absolute position. Each sequence's blocks are gathered once and shared by all its
+    queries."""
     assert meta.context_tables is not None and meta.context_lens is not None
     assert meta.total_lens is not None
     bs, q_len, num_q_heads, head_dim = query.shape
@@ -122,14 +123,16 @@ def paged_prefill_attention(
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
     q = query.transpose(1, 2)  # [bs, Hq, q, D]
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [bs, Hq, q, L]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
     key_pos = torch.arange(keys.shape[2], device=query.device)
     query_pos = meta.context_lens.view(bs, 1) + torch.arange(q_len, device=query.device)
-    visible = (key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)) & \
-        (key_pos.view(1, 1, -1) < meta.total_lens.view(bs, 1, 1))
-    probs = scores.masked_fill(~visible.unsqueeze(1), float("-inf")).softmax(dim=-1)
+    visible = ((key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1))
+               & (key_pos.view(1, 1, -1) < meta.total_lens.view(bs, 1, 1))).unsqueeze(1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+        return out.transpose(1, 2)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [bs, Hq, q, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.matmul(probs.to(values.dtype), values).transpose(1, 2)
 
 

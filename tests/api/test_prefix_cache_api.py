@@ -17,7 +17,8 @@ def counter(base_url: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_model):
-    srv = start_server(tiny_model[0], *TINY_FLAGS, env={"VLLM_API_KEY": "k3y"})
+    srv = start_server(tiny_model[0], *TINY_FLAGS, "--enable-prefix-caching",
+                       env={"VLLM_API_KEY": "k3y"})
     yield srv
     srv.stop()
 
