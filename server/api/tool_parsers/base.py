@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import string
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -51,7 +52,7 @@ class StreamDelta:
 
 # ---- the parsers' base ------------------------------------------------------------------
 
-class ToolParser:
+class ToolParser(ABC):
     """One instance per completion; ``feed`` pieces of output, then ``finish``."""
 
     name: ClassVar[str] = ""
@@ -98,11 +99,13 @@ class ToolParser:
         while s:
             s = self._step(s)
 
-    def _step(self, s: str) -> str | None:  # consume a prefix of s, return the rest
-        raise NotImplementedError
+    @abstractmethod
+    def _step(self, s: str) -> str | None:
+        """Consumes a prefix of ``s`` (each format's machine); returns the rest."""
 
+    @abstractmethod
     def _end(self) -> None:
-        raise NotImplementedError
+        """The output ended: settle what is held back."""
 
     def _new_id(self) -> str:
         return new_call_id()
