@@ -22,6 +22,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(frozen=True, slots=True)
+class AllocationPlan:
+    """What allocating a sequence now would take: its cached prefix and the new blocks."""
+
+    hits: list[int]  # blocks of its longest cached prefix
+    needed: int  # new blocks for the rest
+    fits: bool
+    block_size: int
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return len(self.hits) * self.block_size
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Cumulative token counts (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``)."""
@@ -66,27 +80,34 @@ class BlockManager:
         """Fraction of blocks in use (vLLM's ``kv_cache_usage_perc``)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        """Leading tokens of ``seq`` an allocation now would find cached."""
-        return len(self._prefix_hits(seq)[0]) * self.block_size
-
-    def can_allocate(self, seq: Sequence) -> bool:
+    def plan(self, seq: Sequence) -> AllocationPlan:
+        """The allocation of ``seq`` as things stand (valid until the pool changes): one
+        lookup of its prefix, for the scheduler's checks and the allocation alike."""
         hits, in_pool = self._prefix_hits(seq)
         needed = blocks_for(seq.num_tokens, self.block_size) - len(hits)
-        return needed <= self.num_free_blocks - in_pool
+        return AllocationPlan(hits, needed, needed <= self.num_free_blocks - in_pool,
+                              self.block_size)
 
-    def allocate(self, seq: Sequence) -> None:
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of ``seq`` an allocation now would find cached."""
+        return self.plan(seq).num_cached_tokens
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.plan(seq).fits
+
+    def allocate(self, seq: Sequence, plan: AllocationPlan | None = None) -> None:
         """Blocks for every token of ``seq``: its cached prefix shared, the rest new; sets
-        ``seq.num_cached_tokens`` (what the prefill may skip)."""
+        ``seq.num_cached_tokens`` (what the prefill may skip). ``plan``: this very pool's
+        ``plan(seq)``, when the caller just made it."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        if not self.can_allocate(seq):
+        plan = plan or self.plan(seq)
+        if not plan.fits:
             raise RuntimeError("allocate() without can_allocate()")
-        hits, _ = self._prefix_hits(seq)
-        for block in hits:
+        for block in plan.hits:
             self._evictable.pop(block, None)
             self._refs[block] = self._refs.get(block, 0) + 1
-        needed = blocks_for(seq.num_tokens, self.block_size) - len(hits)
-        seq.block_table = hits + [self._take() for _ in range(needed)]
+        hits = plan.hits
+        seq.block_table = hits + [self._take() for _ in range(plan.needed)]
         seq.block_hashes = [self._hash_of[b] for b in hits]
         seq.num_cached_tokens = len(hits) * self.block_size
         if self.enable_caching:

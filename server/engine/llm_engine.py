@@ -194,8 +194,9 @@ class LLMEngine:
         if self._structured is not None:
             bitmask = self._structured.bitmask([s.grammar for s in batch.seqs])
         result = self.runner.execute(batch, bitmask)
-        for seq in batch.seqs:  # their K/V are in the cache now: full blocks can be shared
-            self.block_manager.cache_blocks(seq, seq.num_tokens)
+        if self.block_manager.enable_caching:
+            for seq in batch.seqs:  # their K/V are in the cache now: full blocks can be shared
+                self.block_manager.cache_blocks(seq, seq.num_tokens)
         return result
 
     def _retire(self, processed: ProcessedStep) -> list[RequestOutput]:

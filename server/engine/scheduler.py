@@ -120,17 +120,18 @@ class Scheduler:
         longest = 0
         while self.waiting and len(self.running) + len(seqs) < self.limits.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            plan = self.block_manager.plan(seq)
+            if not plan.fits:
                 break
             # only the tokens past its cached prefix are computed
-            new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
+            new_tokens = seq.num_tokens - plan.num_cached_tokens
             if num_tokens + new_tokens > self.limits.max_num_batched_tokens:
                 break
             longest_with = max(longest, new_tokens)
             if seqs and self.prefill_fits and not self.prefill_fits(len(seqs) + 1, longest_with):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            self.block_manager.allocate(seq, plan)
             seq.status = SequenceStatus.RUNNING
             seqs.append(seq)
             num_tokens += new_tokens
