@@ -17,6 +17,7 @@ from typing import Any, Literal
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest, NamedToolChoice
 from server.api.tool_parsers import StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from server.api.tool_parsers._json import _Json
 from server.config import ChatOptions
 from server.engine.sampling_params import StructuredOutputsParams
 
@@ -131,17 +132,14 @@ def forced_calls(plan: ToolPlan, text: str) -> list[ToolCall]:
 class ForcedCallStream:
     """Streams a forced choice's calls as OpenAI ``delta.tool_calls``: a named function's
     arguments fragment by fragment as the model writes them; ``required`` calls one by one,
-    each as soon as its object in the array is complete."""
+    each as soon as its object in the array is complete (the tool parsers' JSON scanner
+    finds where)."""
 
     plan: ToolPlan
     _text: str = ""
-    _scanned: int = 0
-    _depth: int = 0
-    _in_string: bool = False
-    _escaped: bool = False
-    _item_start: int = -1
+    _scanner: _Json = field(default_factory=_Json)
     _count: int = 0
-    _sent: list[ToolCall] = field(default_factory=list)
+    _broken: bool = False
 
     def feed(self, delta: str) -> StreamDelta:
         if self.plan.mode == "named":
@@ -154,12 +152,21 @@ class ForcedCallStream:
             if delta:
                 out.append(ToolCallDelta(0, arguments=delta))
             return StreamDelta(tool_calls=out)
-        self._text += delta
         out = []
-        for item in self._complete_items():
-            call = ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-            out.append(ToolCallDelta(self._count, call.id, call.name, call.arguments))
-            self._count += 1
+        for ch in delta:
+            if self._broken:
+                break
+            if not self._scanner.push(ch):  # not JSON (the grammar rules it out): stop
+                self._broken = True
+                break
+            self._text += ch  # the scanner's offsets count the characters it took
+            if self._scanner.ended is not None:  # an item of the array just closed
+                start, end = self._scanner.ended
+                self._scanner.ended = None
+                item = json.loads(self._text[start:end])
+                call = ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                out.append(ToolCallDelta(self._count, call.id, call.name, call.arguments))
+                self._count += 1
         return StreamDelta(tool_calls=out)
 
     def finish(self) -> StreamDelta:
@@ -168,31 +175,3 @@ class ForcedCallStream:
     @property
     def called(self) -> bool:
         return self._count > 0
-
-    def _complete_items(self) -> list[dict[str, Any]]:
-        """Objects of the top-level array completed by the text scanned so far."""
-        items = []
-        text = self._text
-        for i in range(self._scanned, len(text)):
-            ch = text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-                continue
-            if ch == '"':
-                self._in_string = True
-            elif ch in "[{":
-                self._depth += 1
-                if self._depth == 2:
-                    self._item_start = i
-            elif ch in "]}":
-                self._depth -= 1
-                if self._depth == 1 and self._item_start >= 0:
-                    items.append(json.loads(text[self._item_start:i + 1]))
-                    self._item_start = -1
-        self._scanned = len(text)
-        return items
