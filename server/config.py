@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 GiB = 1 << 30
-# The step's token budget when --max-num-batched-tokens is unset: every prompt fits whole
-# (prompts are not chunked), and short contexts still batch a few prompts per step.
+# The step's token budget when --max-num-batched-tokens is unset: with chunked prefill the
+# whole budget; without, the floor (every prompt fits whole; short contexts still batch a few).
 MIN_BATCHED_TOKENS = 2048
 
 
@@ -80,6 +80,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # fcfs: arrival order; priority: the request's ``priority`` (lower first), then arrival
     policy: str = "fcfs"
+    # split prompts over steps under the token budget, decodes first (eager execution)
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -89,9 +91,13 @@ class SchedulerConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
 
-    def batched_tokens_for(self, max_model_len: int) -> int:
-        """The step's token budget once ``max_model_len`` is known."""
-        return self.max_num_batched_tokens or max(max_model_len, MIN_BATCHED_TOKENS)
+    def batched_tokens_for(self, max_model_len: int, chunked: bool = False) -> int:
+        """The step's token budget once ``max_model_len`` is known: with chunked prefill a
+        fixed default (prompts longer than it take several steps), otherwise at least one
+        whole prompt of the longest kind."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        return MIN_BATCHED_TOKENS if chunked else max(max_model_len, MIN_BATCHED_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +237,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                         help="fcfs: arrival order; priority: the request field priority "
                              "(lower first, ties by arrival), lowest priority preempted first")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens one step computes (default: 2048 with chunked prefill, "
+                             "else max(--max-model-len, 2048))")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="split long prompts over steps within --max-num-batched-tokens, "
+                             "running decodes first in every step (eager execution; with "
+                             "graphs the phases stay separate)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -284,6 +297,7 @@ def engine_config_from_args(
             policy=args.scheduling_policy,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
         ),
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             execution_mode=args.execution_mode,

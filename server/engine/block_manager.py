@@ -110,6 +110,7 @@ class BlockManager:
         seq.block_table = hits + [self._take() for _ in range(plan.needed)]
         seq.block_hashes = [self._hash_of[b] for b in hits]
         seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
         if self.enable_caching:
             self.stats.queries += seq.num_tokens
             self.stats.hits += seq.num_cached_tokens
@@ -149,6 +150,7 @@ class BlockManager:
                 self._free.append(block)
         seq.block_table = []
         seq.block_hashes = []
+        seq.num_computed_tokens = 0  # its K/V may be overwritten from now on
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix (``POST /reset_prefix_cache``); returns how many

@@ -37,20 +37,27 @@ class InputBuilder:
     decode_layout: str = "flat"
 
     def prefill(
-        self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
+        self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None,
+        new_tokens: list[int] | None = None,
     ) -> ForwardInputs:
-        """Each sequence's tokens past its cached prefix, right-padded into ``[bs, q]``;
-        with a cached prefix the queries start at its end and attend to it in the cache."""
-        starts = [s.num_cached_tokens for s in seqs]
-        lens = [s.num_tokens - c for s, c in zip(seqs, starts)]
+        """Each sequence's next ``new_tokens`` (default: all) past the tokens already in
+        the cache (a cached prefix, earlier chunks), right-padded into ``[bs, q]``; the
+        queries start there and attend to what precedes them in the cache."""
+        starts = [s.num_computed_tokens for s in seqs]
+        lens = (new_tokens if new_tokens is not None
+                else [s.num_tokens - c for s, c in zip(seqs, starts)])
         bs, q = pad_to if pad_to is not None else (len(seqs), max(lens))
         block = self.block_size
         width = max([-(-(c + q) // block) for c in starts] + [1])
         token_ids = torch.zeros(bs, q, dtype=torch.long)
         block_tables = torch.full((bs, width), self.pad_block_id, dtype=torch.long)
         for row, seq in enumerate(seqs):
-            token_ids[row, : lens[row]] = torch.tensor(seq.all_token_ids[starts[row]:])
-            block_tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+            start = starts[row]
+            token_ids[row, : lens[row]] = torch.tensor(
+                seq.all_token_ids[start : start + lens[row]])
+            # a chunked prompt holds blocks for all of it: only those up to the chunk count
+            table = seq.block_table[:width]
+            block_tables[row, : len(table)] = torch.tensor(table)
         seq_lens = torch.zeros(bs, dtype=torch.long)  # new tokens per row
         seq_lens[: len(seqs)] = torch.tensor(lens)
         context = torch.zeros(bs, dtype=torch.long)  # cached tokens per row
@@ -79,6 +86,7 @@ class InputBuilder:
             meta.context_tables = block_tables.to(self.device)
             meta.context_lens = context.to(self.device)
             meta.total_lens = total.to(self.device)
+            meta.host_context_lens = starts
         return ForwardInputs(
             token_ids.to(self.device),
             torch.where(is_real, positions, 0).to(self.device),

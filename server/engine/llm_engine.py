@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from server.cache_dir import writable_cache_dir
-from server.config import EngineConfig
+from server.config import EngineConfig, ExecutionMode
 from server.engine.block_manager import BlockManager
 from server.engine.errors import EngineFaultError, RequestError
 from server.engine.input_processor import InputProcessor
@@ -87,7 +87,14 @@ class LLMEngine:
         if loaded.config.max_context < loaded.config.max_position_embeddings:
             logger.warning("Context capped at the model's sliding window of %d tokens "
                            "(attention here is not windowed)", loaded.config.max_context)
-        self.limits = SchedulerLimits.resolve(config.scheduler, loaded.config.max_context)
+        chunked = config.scheduler.enable_chunked_prefill
+        if chunked and platform.resolve_mode(config.device) is not ExecutionMode.EAGER:
+            # a chunk after the first has context blocks: shapes the warmed-up prompt
+            # buckets do not cover yet
+            logger.info("Chunked prefill is off: it runs in eager execution only for now")
+            chunked = False
+        self.limits = SchedulerLimits.resolve(config.scheduler, loaded.config.max_context,
+                                              chunked)
         # A GGUF's own 4-bit codes, read only if the platform serves from them.
         int4_weights = (functools.partial(load_int4_weights, source, loaded.config)
                         if source.is_gguf and quantization != "none" else None)
@@ -174,30 +181,44 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch is None or not batch.seqs:
-            return []
+        """One scheduling round: its batches (a decode and a prefill with chunked prefill,
+        one of them otherwise) run back to back."""
+        outputs: list[RequestOutput] = []
+        for batch in self.scheduler.schedule():
+            # an earlier batch of this step may have ended a request (a failure)
+            live = [seq for seq in batch.seqs if not seq.is_finished]
+            if not live:
+                continue
+            outputs += self._step_batch(batch if len(live) == len(batch.seqs)
+                                        else batch.subset(live))
+        return outputs
+
+    def _step_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         for seq in batch.seqs:
             metrics = self.output_processor.requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.monotonic()
         try:
-            result = self._execute(batch)
+            sampled, result = self._execute(batch)
         except Exception as exc:
             return self._isolate_failure(batch, exc)
         self._failed_steps = 0
-        return self._retire(self.output_processor.process(batch, result))
+        return self._retire(self.output_processor.process(sampled, result))
 
-    def _execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
-        """Runs the batch, with the allowed-token mask of its guided sequences."""
+    def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, ModelRunnerOutput]:
+        """Runs the batch, with the allowed-token mask of its guided sequences; returns the
+        part of it that sampled (a prompt chunk short of its end samples nothing) and the
+        tokens."""
+        sampled = batch.subset([batch.seqs[row] for row in batch.sampling_rows])
         bitmask = None
-        if self._structured is not None:
-            bitmask = self._structured.bitmask([s.grammar for s in batch.seqs])
+        if self._structured is not None and sampled.seqs:
+            bitmask = self._structured.bitmask([s.grammar for s in sampled.seqs])
         result = self.runner.execute(batch, bitmask)
+        self.scheduler.advance(batch)
         if self.block_manager.enable_caching:
             for seq in batch.seqs:  # their K/V are in the cache now: full blocks can be shared
-                self.block_manager.cache_blocks(seq, seq.num_tokens)
-        return result
+                self.block_manager.cache_blocks(seq, seq.num_computed_tokens)
+        return sampled, result
 
     def _retire(self, processed: ProcessedStep) -> list[RequestOutput]:
         """Frees what the step finished: stopped sequences, and failed requests whole."""
@@ -220,14 +241,13 @@ class LLMEngine:
         for request_id, seqs in by_request.items():
             error: Exception = exc
             if len(by_request) > 1:
-                sub = ScheduledBatch(batch.phase, seqs)
                 try:
-                    result = self._execute(sub)
+                    sampled, result = self._execute(batch.subset(seqs))
                 except Exception as sub_exc:  # noqa: BLE001 - this request's own fault
                     error = sub_exc
                 else:
                     succeeded = True
-                    outputs += self._retire(self.output_processor.process(sub, result))
+                    outputs += self._retire(self.output_processor.process(sampled, result))
                     continue
             self.scheduler.abort(request_id)
             failure = self.output_processor.fail(request_id, error)

@@ -131,27 +131,32 @@ class ModelRunner:
         the tokens each row may sample."""
         seqs = batch.seqs
         phase = batch.phase
-        bucket = self._bucket(phase, seqs)
+        new_tokens = [batch.new_tokens(row) for row in range(len(seqs))]
+        bucket = self._bucket(phase, seqs, new_tokens)
         pad_to = padded_size(phase, bucket)
         if phase is Phase.PROMPT:
-            inputs = self.inputs.prefill(seqs, pad_to)
-            real = sum(s.num_tokens for s in seqs)
+            inputs = self.inputs.prefill(seqs, pad_to, new_tokens)
         else:
             inputs = self.inputs.decode(seqs, pad_to)
-            real = len(seqs)
-        self.counters.tokens(phase, real, inputs.input_ids.numel())
+        self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
-        sampling = SamplingTensors.build(seqs, self.vocab_size, self.eos_token_ids,
+        rows = batch.sampling_rows  # a prompt chunk short of its end samples nothing
+        if not rows:
+            return ModelRunnerOutput([], [])
+        sampled = [seqs[row] for row in rows]
+        if len(rows) < len(seqs):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        sampling = SamplingTensors.build(sampled, self.vocab_size, self.eos_token_ids,
                                          self.platform.device, token_bitmask)
         out = self.sampler(logits, sampling)
         self.graphs.sync("sampler")
-        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, seqs))
+        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled))
 
-    def _bucket(self, phase: Phase, seqs: list[Sequence]) -> Bucket:
+    def _bucket(self, phase: Phase, seqs: list[Sequence], new_tokens: list[int]) -> Bucket:
         """The planned bucket that holds the batch, or its exact shape when bucketing is off
         or the batch fits no bucket (then counted as a miss)."""
         if phase is Phase.PROMPT:
-            bs, size = len(seqs), max(s.num_tokens for s in seqs)
+            bs, size = len(seqs), max(new_tokens)
         else:
             bs, size = len(seqs), sum(len(s.block_table) for s in seqs)
         if self.shapes is None:

@@ -24,21 +24,28 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str = "fcfs"
+    # prompts split over steps under the token budget, decodes first (mixed steps)
+    chunked_prefill: bool = False
 
     @classmethod
-    def resolve(cls, config: SchedulerConfig, model_max_len: int) -> SchedulerLimits:
-        """The flags' limits with the model's defaults filled in, checked against it."""
+    def resolve(cls, config: SchedulerConfig, model_max_len: int,
+                chunked_prefill: bool | None = None) -> SchedulerLimits:
+        """The flags' limits with the model's defaults filled in, checked against it.
+        ``chunked_prefill``: whether chunking runs (the flag, unless the execution mode
+        rules it out)."""
+        chunked = config.enable_chunked_prefill if chunked_prefill is None else chunked_prefill
         max_model_len = config.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                              f"{model_max_len}")
-        max_batched = config.batched_tokens_for(max_model_len)
-        if max_batched < max_model_len:
+        max_batched = config.batched_tokens_for(max_model_len, chunked)
+        if max_batched < max_model_len and not chunked:
             # Without chunked prefill a whole prompt must fit one step's token budget.
             raise ValueError(
                 f"--max-num-batched-tokens ({max_batched}) must be >= --max-model-len "
-                f"({max_model_len}) since prompts are not chunked")
-        return cls(config.max_num_seqs, max_batched, max_model_len, config.policy)
+                f"({max_model_len}) since prompts are not chunked "
+                "(--no-enable-chunked-prefill, or an execution mode with graphs)")
+        return cls(config.max_num_seqs, max_batched, max_model_len, config.policy, chunked)
 
 
 class Scheduler:
@@ -90,12 +97,27 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._order)
 
-    def schedule(self) -> ScheduledBatch | None:
-        """The next step's batch, or None when there is nothing to run."""
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
+    def schedule(self) -> list[ScheduledBatch]:
+        """The next step's batches (none when there is nothing to run).
+
+        Separate phases (the reference's policy): a prefill of whole prompts whenever new
+        ones fit, otherwise a decode of every running sequence. Chunked prefill: every
+        running decode first, then prompt chunks in the token budget left (the decode and
+        the prefill run back to back in the same step), so a long prompt never stalls the
+        decodes for more than one chunk.
+        """
+        if not self.limits.chunked_prefill:
+            batch = self._schedule_prefill() or self._schedule_decode()
+            return [batch] if batch is not None else []
+        decode = self._schedule_decode()
+        budget = self.limits.max_num_batched_tokens - (len(decode.seqs) if decode else 0)
+        prefill = self._schedule_chunks(budget)
+        return [b for b in (decode, prefill) if b is not None]
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Records that ``batch`` ran: its tokens' K/V are in the cache now."""
+        for row, seq in enumerate(batch.seqs):
+            seq.num_computed_tokens += batch.new_tokens(row)
 
     def finish(self, seq: Sequence) -> None:
         """Retires a sequence that ran (stopped or aborted): its blocks go back to the pool."""
@@ -142,11 +164,58 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self._order)
         return ScheduledBatch(Phase.PROMPT, seqs)
 
+    def _schedule_chunks(self, budget: int) -> ScheduledBatch | None:
+        """Prompt chunks within ``budget`` tokens: the prompts already started first (in
+        order), then new admissions. A chunk that stops short of the prompt's end ends on a
+        block boundary, so every later chunk starts on one."""
+        seqs: list[Sequence] = []
+        chunks: list[int] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.in_prefill:
+                continue
+            chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            if chunk == 0:
+                break
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        admitted: list[Sequence] = []
+        while (self.waiting and budget > 0
+               and len(self.running) + len(admitted) < self.limits.max_num_seqs):
+            seq = self.waiting[0]
+            plan = self.block_manager.plan(seq)
+            if not plan.fits:
+                break
+            chunk = self._chunk(seq.num_tokens - plan.num_cached_tokens, budget)
+            if chunk == 0:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, plan)
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        for seq in admitted:
+            bisect.insort(self.running, seq, key=self._order)
+        return ScheduledBatch(Phase.PROMPT, seqs, num_new_tokens=chunks) if seqs else None
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        if remaining <= budget:
+            return remaining
+        block = self.block_manager.block_size
+        return budget // block * block
+
     def _schedule_decode(self) -> ScheduledBatch | None:
         preempted: list[Sequence] = []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if seq.in_prefill:  # all its blocks were allocated on admission
+                i += 1
+                continue
             if self.block_manager.can_append(seq):
                 self.block_manager.append_slot(seq)
                 i += 1
@@ -156,9 +225,10 @@ class Scheduler:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim)
-        if not self.running:
+        decoding = [seq for seq in self.running if not seq.in_prefill]
+        if not decoding:
             return ScheduledBatch(Phase.DECODE, [], preempted) if preempted else None
-        return ScheduledBatch(Phase.DECODE, list(self.running), preempted)
+        return ScheduledBatch(Phase.DECODE, decoding, preempted)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

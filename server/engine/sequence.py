@@ -48,6 +48,9 @@ class Sequence:
     # allocation found cached (the prefill computes the rest)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Tokens whose K/V are in the cache: the next prefill chunk starts here (a cached
+    # prefix counts; so do the earlier chunks of a chunked prompt)
+    num_computed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -73,16 +76,50 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing its prompt (or, after a preemption, its recomputed tokens): it
+        has not sampled since its last admission. Decoding means only the last token is
+        left to compute."""
+        return not self.output_token_ids or self.num_computed_tokens < self.num_tokens - 1
+
 
 @dataclass(slots=True)
 class ScheduledBatch:
     """One engine step's plan: which sequences run, and in which phase.
 
-    Prefill runs every token of each sequence (prompt plus, after a preemption, what it had
-    generated) and samples one token; decode feeds each sequence's last token.
+    Prefill computes each sequence's tokens from ``num_computed_tokens`` on (its prompt
+    plus, after a preemption, what it had generated), all of them or, with chunked prefill,
+    the next ``num_new_tokens``; a sequence samples one token once its last token is
+    computed. Decode feeds each sequence's last token.
     """
 
     phase: Phase
     seqs: list[Sequence]
     # sequences pushed back to the waiting queue this step to free KV blocks
     preempted: list[Sequence] = field(default_factory=list)
+    # prefill: tokens each sequence computes this step; None: all it has left
+    num_new_tokens: list[int] | None = None
+
+    def new_tokens(self, row: int) -> int:
+        """Tokens row ``row`` computes this step."""
+        if self.phase is Phase.DECODE:
+            return 1
+        if self.num_new_tokens is not None:
+            return self.num_new_tokens[row]
+        seq = self.seqs[row]
+        return seq.num_tokens - seq.num_computed_tokens
+
+    @property
+    def sampling_rows(self) -> list[int]:
+        """Rows that sample a token this step: every decode, and the prefills whose chunk
+        reaches their last token."""
+        return [row for row, seq in enumerate(self.seqs)
+                if seq.num_computed_tokens + self.new_tokens(row) == seq.num_tokens]
+
+    def subset(self, seqs: list[Sequence]) -> ScheduledBatch:
+        """The same step restricted to ``seqs`` (each keeps its chunk)."""
+        rows = [self.seqs.index(seq) for seq in seqs]
+        chunks = (None if self.num_new_tokens is None
+                  else [self.num_new_tokens[row] for row in rows])
+        return ScheduledBatch(self.phase, list(seqs), [], chunks)

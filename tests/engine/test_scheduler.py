@@ -3,7 +3,7 @@
 from server.engine.block_manager import BlockManager
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerLimits
-from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.sequence import ScheduledBatch, Sequence, SequenceStatus
 from server.hpu.types import Phase
 
 
@@ -16,12 +16,23 @@ def make_seq(seq_id: int, num_tokens: int) -> Sequence:
     return Sequence(seq_id, f"r{seq_id}", 0, [1] * num_tokens, SamplingParams(), float(seq_id))
 
 
-def fake_step(sched: Scheduler):
-    batch = sched.schedule()
-    if batch is not None:
-        for seq in batch.seqs:
+def fake_steps(sched: Scheduler) -> list[ScheduledBatch]:
+    """One engine step: every batch runs, rows that finish their prompt (or decode)
+    sample token 7."""
+    batches = sched.schedule()
+    for batch in batches:
+        sampled = [batch.seqs[row] for row in batch.sampling_rows]
+        sched.advance(batch)
+        for seq in sampled:
             seq.output_token_ids.append(7)
-    return batch
+    return batches
+
+
+def fake_step(sched: Scheduler) -> ScheduledBatch | None:
+    """A step with separate phases: one batch or none."""
+    batches = fake_steps(sched)
+    assert len(batches) <= 1
+    return batches[0] if batches else None
 
 
 def test_prefill_then_decode_and_new_prompts_join_between_steps() -> None:
