@@ -22,12 +22,14 @@ from tqdm import tqdm
 
 from server.models.config import ModelConfig
 from server.models.gguf import (
+    INT4_TYPES,
     ROPE_FREQ_FACTORS,
     Int4Weight,
     dequantized_tensors,
     gguf_model_config,
     open_gguf,
     read_int4_weights,
+    tensor_types,
 )
 from server.models.llama import LlamaForCausalLM
 from server.models.quantized import dequantized
@@ -150,7 +152,8 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     logger.info(
         "Loaded %s: %.1fM params, dtype %s, device %s, %.1f MiB of weights, %.1f s%s",
         source.name, num_params / 1e6, str(torch_dtype).replace("torch.", ""), device,
-        num_bytes / 2**20, seconds, _quant_summary(cfg),
+        num_bytes / 2**20, seconds,
+        _gguf_summary(reader) if reader is not None else _quant_summary(cfg),
     )
     return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds)
 
@@ -160,9 +163,15 @@ def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4We
     if not source.is_gguf:
         return {}
     start = time.monotonic()
-    weights = read_int4_weights(_gguf_reader(source), cfg)
-    logger.info("Read 4-bit codes of %d linear layers in %.1f s", len(weights),
-                time.monotonic() - start)
+    reader = _gguf_reader(source)
+    weights = read_int4_weights(reader, cfg)
+    others = {k: n for k, n in tensor_types(reader).items()
+              if k not in INT4_TYPES and k not in ("F32", "F16", "BF16")}
+    logger.info("Read the 4-bit codes (%s) of %d linear layers in %.1f s; %s", "/".join(
+        INT4_TYPES), len(weights), time.monotonic() - start,
+        "; ".join(f"{k} ({n} tensors) served from the dequantized copy only: no exact "
+                  "kernel for it here" for k, n in sorted(others.items()))
+        or "no other quantized types")
     return weights
 
 
@@ -316,6 +325,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
     return files
+
+
+def _gguf_summary(reader: object) -> str:
+    types = tensor_types(reader)
+    listed = ", ".join(f"{n} {k}" for k, n in sorted(types.items()))
+    return (f"; GGUF tensors {listed}, all dequantized at load (linear layers in "
+            f"{'/'.join(INT4_TYPES)} may also keep their 4-bit codes, logged when read)")
 
 
 def _quant_summary(cfg: ModelConfig) -> str:

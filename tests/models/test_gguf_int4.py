@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.models.gguf import GROUP_SIZE, _split_blocks, read_int4_weights
+from server.models.gguf import GROUP_SIZE, split_blocks, read_int4_weights
 from server.models.loader import _gguf_reader, load_model, resolve_model_source
 
 
@@ -19,7 +19,7 @@ def test_block_split_matches_gguf_dequantize(kind: str) -> None:
     rng = np.random.default_rng(0)
     weights = (rng.standard_normal((6, 4 * GROUP_SIZE)) * 0.1 + 0.03).astype(np.float32)
     raw = gguf.quants.quantize(weights, qtype)
-    codes, scale, zero = _split_blocks(raw, kind)
+    codes, scale, zero = split_blocks(raw, kind)
     assert codes.shape == weights.shape
     assert codes.max() <= 15
     assert scale.shape == zero.shape == (6, 4)
