@@ -49,6 +49,8 @@ def _header(writer, cfg, arch: str, head_dim: int, llama_scaling: dict | None) -
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "pad_token_id", None) is not None:
+        writer.add_pad_token_id(cfg.pad_token_id)
     if arch in ("llama", "granite", "phi3"):
         writer.add_rope_dimension_count(head_dim)
     else:  # qwen2 / qwen3 / qwen3moe / gemma2
@@ -125,16 +127,36 @@ def _tensors(hf_model, arch: str) -> list[tuple[str, np.ndarray]]:
     return out
 
 
+def _tokenizer(writer, tokenizer) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's "gpt2" vocabulary (tokens by id, merges,
+    special tokens as control tokens): what transformers rebuilds a tokenizer from."""
+    import json
+
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    special = set(tokenizer.all_special_ids)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+
+
 def write_gguf(path: Path, hf_model, arch: str = "llama", quantize: Quantizer | None = None,
-               llama_scaling: dict | None = None) -> None:
+               llama_scaling: dict | None = None, tokenizer=None) -> None:
     """``hf_model`` as llama.cpp's converter writes ``arch``; ``quantize`` (array ->
-    (raw blocks, GGML type)) stores the layers' linear weights quantized."""
+    (raw blocks, GGML type)) stores the layers' linear weights quantized; ``tokenizer``
+    (a byte-level BPE) makes the file servable on its own."""
     import gguf
 
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     _header(writer, cfg, arch, head_dim, llama_scaling)
+    if tokenizer is not None:
+        _tokenizer(writer, tokenizer)
     for name, array in _tensors(hf_model, arch):
         part = name.split(".")[2] if name.startswith("blk.") else ""
         if quantize is not None and part in LINEAR_PARTS and array.ndim == 2:
