@@ -191,3 +191,34 @@ def gguf_quantizer(kind: str) -> Quantizer:
         return random_q4_k
     qtype = gguf.GGMLQuantizationType[kind]
     return lambda array: (gguf.quants.quantize(array, qtype), qtype)
+
+
+def quantize_q4_k(array: np.ndarray) -> tuple[np.ndarray, object]:
+    """Q4_K blocks of real weights (gguf-py cannot quantize K-quants): per 32-value
+    sub-block an offset ``dmin * m`` (the sub-block's minimum, when below 0) and a step
+    ``d * sc`` spanning its range, the 6-bit ``sc`` / ``m`` relative to per-256 fp16
+    ``d`` / ``dmin``; plain rounding (llama.cpp searches better scales, same format)."""
+    import gguf
+
+    rows, cols = array.shape
+    x = array.astype(np.float32).reshape(rows, cols // 256, 8, 32)
+    mins = np.maximum(-x.min(axis=-1), 0)  # [R, S, 8], subtracted: w = d sc q - dmin m
+    steps = (x.max(axis=-1) + mins) / 15
+    d = (steps.max(axis=-1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=-1) / 63).astype(np.float16)
+    safe = lambda v: np.where(v == 0, 1, v.astype(np.float32))[..., None]  # noqa: E731
+    sc = np.clip(np.rint(steps / safe(d)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(mins / safe(dmin)), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * m
+    q = np.clip(np.rint((x + offset[..., None]) / np.where(step == 0, 1, step)[..., None]),
+                0, 15).astype(np.uint8)
+    scales = np.empty((rows, cols // 256, 12), np.uint8)
+    scales[..., 0:4] = (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)
+    pairs = q.reshape(rows, cols // 256, 4, 2, 32)  # sub-blocks 2c (low nibble), 2c + 1
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, cols // 256, 128)
+    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8),
+                             scales, qs], axis=-1)
+    return blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K
