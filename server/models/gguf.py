@@ -20,6 +20,7 @@ from server.models.gguf_quants import (  # noqa: F401  (re-exported: the loader'
     GROUP_SIZE,
     INT4_TYPES,
     Int4Weight,
+    dequantized_only,
     read_int4_weights,
     split_blocks,
     tensor_types,

@@ -141,3 +141,21 @@ def read_int4_weights(reader: Any, cfg: ModelConfig) -> dict[str, Int4Weight]:
 def tensor_types(reader: Any) -> Counter[str]:
     """How many tensors of each GGML type the file holds (the load log's summary)."""
     return Counter(t.tensor_type.name for t in reader.tensors)
+
+
+def dequantized_only(reader: Any, cfg: ModelConfig, weights: dict[str, Int4Weight]
+                     ) -> Counter[str]:
+    """Quantized tensors (by type) that no int4 weight came from: served from their
+    dequantized copy only (other types, experts, embeddings and head, or a layer with a
+    shard in another type)."""
+    names = block_names(cfg)
+    counts: Counter[str] = Counter()
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind in ("F32", "F16", "BF16"):
+            continue
+        parsed = parse_block_tensor(t.name, names)
+        fused = _FUSED_MODULES.get(parsed[2]) if parsed is not None else None
+        if fused is None or f"layers.{parsed[0]}.{fused[0]}" not in weights:
+            counts[kind] += 1
+    return counts

@@ -25,6 +25,7 @@ from server.models.gguf import (
     INT4_TYPES,
     ROPE_FREQ_FACTORS,
     Int4Weight,
+    dequantized_only,
     dequantized_tensors,
     gguf_model_config,
     open_gguf,
@@ -159,19 +160,23 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
 
 
 def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:
-    """The Q4_0/Q4_1 linear weights of a GGUF checkpoint as 4-bit codes ({} otherwise)."""
+    """The Q4_0/Q4_1/Q4_K linear weights of a GGUF checkpoint as 4-bit codes ({}
+    otherwise); logs which quantized tensors are served from their dequantized copy only."""
     if not source.is_gguf:
         return {}
     start = time.monotonic()
     reader = _gguf_reader(source)
     weights = read_int4_weights(reader, cfg)
-    others = {k: n for k, n in tensor_types(reader).items()
-              if k not in INT4_TYPES and k not in ("F32", "F16", "BF16")}
-    logger.info("Read the 4-bit codes (%s) of %d linear layers in %.1f s; %s", "/".join(
-        INT4_TYPES), len(weights), time.monotonic() - start,
-        "; ".join(f"{k} ({n} tensors) served from the dequantized copy only: no exact "
-                  "kernel for it here" for k, n in sorted(others.items()))
-        or "no other quantized types")
+    rest = dequantized_only(reader, cfg, weights)
+    logger.info("Read the 4-bit codes (%s) of %d linear layers in %.1f s; served from the "
+                "dequantized copy only: %s", "/".join(INT4_TYPES), len(weights),
+                time.monotonic() - start,
+                ", ".join(f"{n} {k} tensors" for k, n in sorted(rest.items())) or "none",)
+    if any(k not in INT4_TYPES for k in rest):
+        logger.info("No exact kernel here for %s: torch's CPU weight-only kernels take "
+                    "4-bit codes in groups or 8-bit codes scaled per channel, not GGUF's "
+                    "5/6-bit codes or per-block 8-bit scales",
+                    "/".join(sorted(k for k in rest if k not in INT4_TYPES)))
     return weights
 
 

@@ -170,25 +170,40 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", quantize: Quantizer | 
     writer.close()
 
 
-def random_q4_k(array: np.ndarray) -> tuple[np.ndarray, object]:
-    """Q4_K blocks (256 values: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128
-    bytes of 4-bit codes) with random codes, scales and mins: every byte pattern is a valid
-    block, and the values are whatever llama.cpp's dequantization says."""
+# Byte offsets of the fp16 fields in each K-quant's 256-value block (the rest is codes and
+# packed small scales, where every byte pattern is valid), and the block size.
+_K_QUANT_FP16 = {"Q2_K": ((80, 82), 84), "Q3_K": ((108,), 110), "Q4_K": ((0, 2), 144),
+                 "Q5_K": ((0, 2), 176), "Q6_K": ((208,), 210)}
+
+
+def random_k_quant(kind: str) -> Quantizer:
+    """Blocks of ``kind`` with random codes and small scales and fixed small fp16 factors
+    (gguf-py cannot quantize K-quants): valid blocks whose values are whatever llama.cpp's
+    dequantization says."""
     import gguf
 
-    rows, cols = array.shape
-    blocks = np.random.default_rng(rows * cols).integers(
-        0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    blocks[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # d
-    blocks[..., 2:4] = np.frombuffer(np.float16(0.004).tobytes(), np.uint8)  # dmin
-    return blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K
+    offsets, size = _K_QUANT_FP16[kind]
+
+    def quantize(array: np.ndarray) -> tuple[np.ndarray, object]:
+        rows, cols = array.shape
+        blocks = np.random.default_rng(rows * cols).integers(
+            0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+        for i, offset in enumerate(offsets):  # d (0.002), then dmin (0.004) if any
+            blocks[..., offset:offset + 2] = np.frombuffer(
+                np.float16(0.002 * (i + 1)).tobytes(), np.uint8)
+        return blocks.reshape(rows, -1), gguf.GGMLQuantizationType[kind]
+
+    return quantize
+
+
+random_q4_k = random_k_quant("Q4_K")
 
 
 def gguf_quantizer(kind: str) -> Quantizer:
     import gguf
 
-    if kind == "Q4_K":
-        return random_q4_k
+    if kind in _K_QUANT_FP16:
+        return random_k_quant(kind)
     qtype = gguf.GGMLQuantizationType[kind]
     return lambda array: (gguf.quants.quantize(array, qtype), qtype)
 

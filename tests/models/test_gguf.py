@@ -71,7 +71,8 @@ def test_qwen3_gguf_matches_transformers(tiny_model_factory, tmp_path: Path) -> 
     assert_last_logits_match(loaded, hf_model, length=40)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1",
+                                  "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_quantized_gguf_types_load_to_llama_cpp_values(tmp_path: Path, kind: str) -> None:
     """A Qwen2 GGUF (biases, Hugging Face row order) whose linear weights are stored in
     ``kind``: they load as gguf's own dequantization of the file, and the logits equal

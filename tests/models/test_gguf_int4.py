@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_files import quantize_q4_k, random_q4_k, write_gguf
+from gguf_files import quantize_q4_k, random_k_quant, random_q4_k, write_gguf
 
 from server.models.gguf import GROUP_SIZE, read_int4_weights, split_blocks
 from server.models.loader import _gguf_reader, load_model, resolve_model_source
@@ -177,3 +177,30 @@ def test_q4_k_gguf_served_end_to_end_from_its_codes(tmp_path: Path) -> None:
             want = reference.generate(torch.tensor([prompt]), max_new_tokens=10,
                                       do_sample=False, eos_token_id=None, pad_token_id=0)
         assert list(output.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+
+
+def test_a_layer_with_a_shard_in_another_type_keeps_no_codes(tmp_path: Path, caplog) -> None:
+    """Q4_K everywhere but the down projections (Q6_K, as llama.cpp's Q4_K_M mixes do):
+    those layers run dequantized only, and the load log counts them as such."""
+    import logging
+
+    import transformers
+
+    from server.models.loader import load_int4_weights
+
+    config = transformers.Qwen2Config(vocab_size=320, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen2ForCausalLM(config).eval()
+    q6_k = random_k_quant("Q6_K")
+    write_gguf(tmp_path / "mixed.gguf", hf_model, "qwen2", quantize=lambda a: (
+        q6_k(a) if a.shape == (256, 512) else quantize_q4_k(a)))  # down_proj: [H, I]
+    source = resolve_model_source(str(tmp_path / "mixed.gguf"))
+    cfg = load_model(source, "float32", torch.device("cpu")).config
+    with caplog.at_level(logging.INFO, logger="server.models.loader"):
+        codes = load_int4_weights(source, cfg)
+    assert sorted(codes) == sorted(f"layers.{i}.{m}" for i in range(2) for m in (
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"))
+    assert "dequantized copy only: 2 Q6_K tensors" in caplog.text
+    assert "No exact kernel here for Q6_K" in caplog.text
