@@ -204,3 +204,32 @@ def test_a_layer_with_a_shard_in_another_type_keeps_no_codes(tmp_path: Path, cap
         "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"))
     assert "dequantized copy only: 2 Q6_K tensors" in caplog.text
     assert "No exact kernel here for Q6_K" in caplog.text
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "llama-mixtral"])
+def test_codes_line_up_with_each_familys_dense_weights(tiny_model_factory, tmp_path: Path,
+                                                       arch: str) -> None:
+    """Q4_0 files of the other layouts: Phi-3's fused attn_qkv and gate+up ffn_up (one
+    shard each), Gemma 2, Mixtral's permuted Q/K (its experts stay dense: no codes)."""
+    from gguf_files import gguf_quantizer
+    from test_gguf_families import gemma2
+
+    if arch == "phi3":
+        hf_model = tiny_model_factory(model_type="phi3", tie=False, num_kv_heads=2)[1]
+    elif arch == "gemma2":
+        hf_model = gemma2()
+    else:
+        hf_model = tiny_model_factory(model_type="mixtral", tie=False, num_kv_heads=2)[1]
+    path = tmp_path / f"{arch}-Q4_0.gguf"
+    write_gguf(path, hf_model, arch.split("-")[0], quantize=gguf_quantizer("Q4_0"))
+    source = resolve_model_source(str(path))
+    dense = load_model(source, "float32", torch.device("cpu"))
+    codes = read_int4_weights(_gguf_reader(source), dense.config)
+    modules = ["self_attn.qkv_proj", "self_attn.o_proj"]
+    if arch != "llama-mixtral":
+        modules += ["mlp.gate_up_proj", "mlp.down_proj"]
+    assert sorted(codes) == sorted(f"layers.{i}.{m}" for i in range(2) for m in modules)
+    for name, weight in codes.items():
+        torch.testing.assert_close(weight.dequantize(),
+                                   dense.model.get_submodule(name).weight.data,
+                                   rtol=0, atol=1e-6)
