@@ -28,6 +28,7 @@ from server.models.gguf_quants import (  # noqa: F401  (re-exported: the loader'
 from server.models.gguf_tensors import ROPE_FREQ_FACTORS, dequantized_tensors  # noqa: F401
 from server.models.registry import Architecture, gguf_architecture
 
+
 def open_gguf(path: str) -> object:
     """The file's ``gguf.GGUFReader``, parsed once per process (see ``_open``)."""
     stat = os.stat(path)
@@ -46,7 +47,8 @@ def _open(path: str, size: int, mtime_ns: int) -> object:
 
 
 class _Header:
-    """The metadata keys of a reader, with llama.cpp's ``{arch}.`` prefix optional."""
+    """A reader's metadata: ``get`` by full key, calling it by a key under llama.cpp's
+    ``{general.architecture}.`` prefix."""
 
     def __init__(self, reader: Any) -> None:
         self.fields = reader.fields
