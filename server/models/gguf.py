@@ -1,58 +1,32 @@
-"""Everything read from a GGUF file: the architecture (header), the weights dequantized,
-and the Q4_0 / Q4_1 weights kept as 4-bit codes.
+"""Everything read from a GGUF file: the architecture (header) here, the weights
+dequantized in gguf_tensors.py, the Q4_0 / Q4_1 / Q4_K weights kept as 4-bit codes in
+gguf_quants.py.
 
-One map from llama.cpp's tensor names to ours and one undoing of llama.cpp's Q/K row
-permutation serve both the dequantized weights and the 4-bit codes, so a module's codes line
-up with its dense weight row for row.
-
-4-bit codes: ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 represents both formats
-exactly (Q4_0: ``d * (q - 8)``; Q4_1: ``d * q + m``), and is the convention of torch's int4
-weight-only matmul kernels.
+Families follow llama.cpp's converter (convert_hf_to_gguf.py): "llama" (with expert tensors:
+Mixtral), "mistral", "qwen2", "qwen3", "qwen3moe", "granite", "phi3", "gemma2".
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
-import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
 from server.models.config import ModelConfig
-from server.models.registry import ARCHITECTURES, gguf_architecture
-
-GROUP_SIZE = 32  # GGUF's block length along the input dimension
-
-# Pseudo-name under which the rope_freqs tensor (Llama 3.1's RoPE scaling) is yielded.
-ROPE_FREQ_FACTORS = "rotary.freq_factors"
-
-_TOP_LEVEL_NAMES = {
-    "token_embd.weight": "embed_tokens.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": ROPE_FREQ_FACTORS,
-}
-# llama.cpp's per-block tensor -> (Hugging Face module, our fused module, shard in it)
-_BLOCK_NAMES = {
-    "attn_norm": ("input_layernorm", "input_layernorm", 0),
-    "ffn_norm": ("post_attention_layernorm", "post_attention_layernorm", 0),
-    "attn_q": ("self_attn.q_proj", "self_attn.qkv_proj", 0),
-    "attn_k": ("self_attn.k_proj", "self_attn.qkv_proj", 1),
-    "attn_v": ("self_attn.v_proj", "self_attn.qkv_proj", 2),
-    "attn_output": ("self_attn.o_proj", "self_attn.o_proj", 0),
-    "ffn_gate": ("mlp.gate_proj", "mlp.gate_up_proj", 0),
-    "ffn_up": ("mlp.up_proj", "mlp.gate_up_proj", 1),
-    "ffn_down": ("mlp.down_proj", "mlp.down_proj", 0),
-    "attn_q_norm": ("self_attn.q_norm", "self_attn.q_norm", 0),
-    "attn_k_norm": ("self_attn.k_norm", "self_attn.k_norm", 0),
-}
-_SHARDS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2, "self_attn.o_proj": 1,
-           "mlp.down_proj": 1}
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+from server.models.gguf_quants import (  # noqa: F401  (re-exported: the loader's one import)
+    GROUP_SIZE,
+    INT4_TYPES,
+    Int4Weight,
+    dequantized_only,
+    read_int4_weights,
+    split_blocks,
+    tensor_types,
+)
+from server.models.gguf_tensors import ROPE_FREQ_FACTORS, dequantized_tensors  # noqa: F401
+from server.models.registry import Architecture, gguf_architecture
 
 
 def open_gguf(path: str) -> object:
@@ -72,163 +46,131 @@ def _open(path: str, size: int, mtime_ns: int) -> object:
     return gguf.GGUFReader(path)
 
 
-def gguf_model_config(reader: object) -> ModelConfig:
-    """Reads the llama.cpp metadata keys (``{arch}.block_count``...) of a GGUF file.
+class _Header:
+    """A reader's metadata: ``get`` by full key, calling it by a key under llama.cpp's
+    ``{general.architecture}.`` prefix."""
 
-    Parsing the header ourselves reuses the reader we need for the tensors anyway;
-    going through transformers' GGUF config would parse the whole file a second time.
-    """
-    fields = reader.fields  # type: ignore[attr-defined]
+    def __init__(self, reader: Any) -> None:
+        self.fields = reader.fields
+        self.arch = str(self.get("general.architecture"))
 
-    def get(key: str, default: object = None) -> object:
-        if key not in fields:
+    def get(self, key: str, default: Any = None) -> Any:
+        if key not in self.fields:
             return default
-        field = fields[key]
+        field = self.fields[key]
         value = field.parts[field.data[0]] if field.data else None
         if value is not None and value.dtype.kind == "u" and value.itemsize == 1:
             return bytes(value).decode("utf-8")
         return value.item() if value is not None and value.size == 1 else value
 
-    arch = str(get("general.architecture"))
-    family = gguf_architecture(arch)
-    if int(get(f"{arch}.expert_count", 0) or 0) > 0:  # llama.cpp's Mixtral is "llama" too
-        raise ValueError(f"GGUF {arch!r} file with {get(f'{arch}.expert_count')} experts: "
-                         "mixture-of-experts models load from Hugging Face folders only")
-    names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
-    num_heads = int(get(f"{arch}.attention.head_count"))
-    hidden = int(get(f"{arch}.embedding_length"))
-    vocab = get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"].data)
-    eos = get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    def __call__(self, key: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    """Reads the llama.cpp metadata keys (``{arch}.block_count``...) of a GGUF file.
+
+    Parsing the header ourselves reuses the reader we need for the tensors anyway;
+    going through transformers' GGUF config would parse the whole file a second time.
+    """
+    h = _Header(reader)
+    names = {t.name for t in reader.tensors}
+    family = gguf_architecture(h.arch, moe=int(h("expert_count", 0) or 0) > 0)
+    num_heads = int(h("attention.head_count"))
+    hidden = int(h("embedding_length"))
+    # Qwen3 and Gemma 2 write their (non hidden/heads) head size as the key length; older
+    # llama files only as the rotary size; Phi-3's rotary size is its partial share
+    rope_dims = h("rope.dimension_count")
+    head_dim = int(h("attention.key_length") or (
+        rope_dims if rope_dims and family.model_type != "phi3" else hidden // num_heads))
+    if rope_dims and int(rope_dims) != head_dim:
+        raise ValueError(f"GGUF with partial rotary embeddings ({rope_dims} of {head_dim} "
+                         "dimensions) is not supported yet")
+    vocab = h("vocab_size") or len(h.fields["tokenizer.ggml.tokens"].data)
+    eos = h.get("tokenizer.ggml.eos_token_id")
+    fields: dict[str, Any] = dict(
         model_type=family.model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get(f"{arch}.feed_forward_length")),
-        num_layers=int(get(f"{arch}.block_count")),
+        intermediate_size=int(h("feed_forward_length")),
+        num_layers=int(h("block_count")),
         num_heads=num_heads,
-        num_kv_heads=int(get(f"{arch}.attention.head_count_kv", num_heads)),
-        # Qwen3 writes its (non hidden/heads) head size as the key length
-        head_dim=int(get(f"{arch}.attention.key_length")
-                     or get(f"{arch}.rope.dimension_count", hidden // num_heads)),
-        rms_norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=None,
-        max_position_embeddings=int(get(f"{arch}.context_length", 4096)),
+        num_kv_heads=int(h("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(h("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(h("rope.freq_base", 10000.0)),
+        rope_scaling=_longrope(reader, h, names),
+        max_position_embeddings=int(h("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        embedding_multiplier=float(get(f"{arch}.embedding_scale", 1.0)),
-        residual_multiplier=float(get(f"{arch}.residual_scale", 1.0)),
-        attention_multiplier=(float(get(f"{arch}.attention.scale"))
-                              if get(f"{arch}.attention.scale") else None),
-        logits_scaling=float(get(f"{arch}.logit_scale", 1.0)),
-        sliding_window=int(get(f"{arch}.attention.sliding_window") or 0) or None,
+        embedding_multiplier=float(h("embedding_scale", 1.0)),
+        residual_multiplier=float(h("residual_scale", 1.0)),
+        attention_multiplier=(float(h("attention.scale")) if h("attention.scale") else None),
+        logits_scaling=float(h("logit_scale", 1.0)),
+        sliding_window=int(h("attention.sliding_window") or 0) or None,
         checkpoint_dtype=None,
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+    if family.moe:
+        fields.update(_moe_fields(h, names, family, fields["num_layers"]))
+    if family.gemma:
+        fields.update(_gemma_fields(h, fields))
+    return ModelConfig(**fields)
 
 
-def _unpermutes(cfg: ModelConfig) -> bool:
-    # llama.cpp's converter permutes Q/K rows for its interleaved RoPE on "llama" models
-    # only; Qwen2/Qwen3 GGUFs keep the Hugging Face layout.
-    return next(a.gguf_permuted_qk for a in ARCHITECTURES.values()
-                if a.model_type == cfg.model_type)
+def _moe_fields(h: _Header, names: set[str], family: Architecture, num_layers: int
+                ) -> dict[str, Any]:
+    """Experts as llama.cpp writes them: counts in the header, the sparse layers being
+    those with a router (``ffn_gate_inp``). llama.cpp renormalises the top-k weights of
+    both Mixtral and Qwen3-MoE (newer files say so in ``expert_weights_norm``)."""
+    norm = h("expert_weights_norm")
+    return dict(
+        num_experts=int(h("expert_count")),
+        num_experts_per_tok=int(h("expert_used_count")),
+        # Mixtral's experts are feed_forward_length wide; Qwen3-MoE has a size of its own
+        moe_intermediate_size=int(h("expert_feed_forward_length")
+                                  or h("feed_forward_length")),
+        norm_topk_prob=family.moe_renormalize or (True if norm is None else bool(norm)),
+        moe_layers=tuple(i for i in range(num_layers)
+                         if f"blk.{i}.ffn_gate_inp.weight" in names),
+    )
 
 
-def _unpermute(t: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (rows only; any trailing shape)."""
-    rows = t.shape[0]
-    return (t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:])
-            .transpose(1, 2).reshape(t.shape))
+def _gemma_fields(h: _Header, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 as llama.cpp runs it. Its converter stores the norm weights as ``1 + w``
+    (no offset to add at load) and drops ``query_pre_attn_scalar``: llama.cpp scales
+    scores by ``1/sqrt(head_dim)``, except for the 46-layer 27B whose scalar is
+    hidden / heads (which is what that model's config says), unless the file has a scale."""
+    scalar = (fields["hidden_size"] // fields["num_heads"] if fields["num_layers"] == 46
+              else fields["head_dim"])
+    return dict(
+        mlp_act="gelu_tanh",
+        embedding_multiplier=math.sqrt(fields["hidden_size"]),
+        attention_multiplier=fields["attention_multiplier"] or scalar ** -0.5,
+        attn_softcap=float(h("attn_logit_softcapping") or 0) or None,
+        final_softcap=float(h("final_logit_softcapping") or 0) or None,
+        sandwich_norms=True,
+        norm_offset=0.0,
+    )
 
 
-def _q_or_k_heads(part: str, cfg: ModelConfig) -> int | None:
-    if not _unpermutes(cfg):
+def _longrope(reader: Any, h: _Header, names: set[str]) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE: llama.cpp stores the short and long per-frequency divisors as
+    tensors (``rope_factors_short`` / ``_long``), the original context and the attention
+    factor in the header; rebuilt as the Hugging Face ``rope_scaling`` dict."""
+    if "rope_factors_long.weight" not in names:
         return None
-    return {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(part)
-
-
-def dequantized_tensors(reader: object, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor the model uses."""
-    import gguf
-
-    for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):  # type: ignore[attr-defined]
-        match = _BLOCK_TENSOR.match(t.name)
-        if match is not None and match.group(2) in _BLOCK_NAMES:
-            layer, part, kind = match.groups()
-            name = f"layers.{layer}.{_BLOCK_NAMES[part][0]}.{kind}"
-        elif t.name in _TOP_LEVEL_NAMES:
-            part, name = "", _TOP_LEVEL_NAMES[t.name]
-        else:
-            continue
-        weights = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-        heads = _q_or_k_heads(part, cfg)
-        if heads is not None and kind == "weight":
-            weights = _unpermute(weights, heads)
-        yield name, weights
-
-
-@dataclass(slots=True)
-class Int4Weight:
-    """One linear layer's weight as 4-bit codes: ``codes`` uint8 ``[N, K]`` (0..15),
-    ``scale`` / ``zero`` float32 ``[N, K // GROUP_SIZE]``."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        scale = self.scale.repeat_interleave(GROUP_SIZE, dim=1)
-        zero = self.zero.repeat_interleave(GROUP_SIZE, dim=1)
-        return (self.codes.float() - 8) * scale + zero
-
-
-def _split_blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, ...]:
-    """Raw rows ``[N, blocks * bytes]`` -> codes ``[N, K]``, scale and zero ``[N, blocks]``."""
-    width = 18 if type_name == "Q4_0" else 20
-    blocks = data.reshape(data.shape[0], -1, width)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if type_name == "Q4_0":
-        zero = np.zeros_like(d)
-        packed = blocks[..., 2:]
-    else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d
-        packed = blocks[..., 4:]
-    # Within a block, byte j holds element j in its low nibble and element j + 16 high.
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
-    return codes.reshape(data.shape[0], -1), d, zero
-
-
-def read_int4_weights(reader: object, cfg: ModelConfig) -> dict[str, Int4Weight]:
-    """Module name (``layers.3.mlp.down_proj``) -> its weight, for every linear layer whose
-    shards are all Q4_0/Q4_1 in the file; layers with any other shard type are left out."""
-    shards: dict[str, dict[int, tuple[torch.Tensor, ...]]] = {}
-    rejected: set[str] = set()
-    for t in reader.tensors:  # type: ignore[attr-defined]
-        match = _BLOCK_TENSOR.match(t.name)
-        if match is None or match.group(3) != "weight" or match.group(2) not in _BLOCK_NAMES:
-            continue
-        part = match.group(2)
-        _, module, shard = _BLOCK_NAMES[part]
-        if module not in _SHARDS:
-            continue
-        name = f"layers.{match.group(1)}.{module}"
-        if t.tensor_type.name not in ("Q4_0", "Q4_1"):
-            rejected.add(name)
-            continue
-        arrays = _split_blocks(t.data, t.tensor_type.name)
-        codes, scale, zero = (torch.from_numpy(a) for a in arrays)
-        heads = _q_or_k_heads(part, cfg)
-        if heads is not None:
-            codes, scale, zero = (_unpermute(a, heads) for a in (codes, scale, zero))
-        shards.setdefault(name, {})[shard] = (codes, scale, zero)
-    weights = {}
-    for name, parts in shards.items():
-        if name in rejected or len(parts) != _SHARDS[name.split(".", 2)[2]]:
-            continue
-        ordered = [parts[i] for i in range(len(parts))]
-        weights[name] = Int4Weight(*(torch.cat(col).contiguous() for col in zip(*ordered)))
-    return weights
+    tensors = {t.name: t for t in reader.tensors}
+    factors = {kind: np.asarray(tensors[f"rope_factors_{kind}.weight"].data,
+                                dtype=np.float32).ravel().tolist()
+               for kind in ("short", "long")}
+    scaling: dict[str, Any] = dict(
+        rope_type="longrope", short_factor=factors["short"], long_factor=factors["long"],
+        original_max_position_embeddings=int(h("rope.scaling.original_context_length")
+                                             or h("context_length")))
+    if h("rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(h("rope.scaling.attn_factor"))
+    return scaling

@@ -22,12 +22,15 @@ from tqdm import tqdm
 
 from server.models.config import ModelConfig
 from server.models.gguf import (
+    INT4_TYPES,
     ROPE_FREQ_FACTORS,
     Int4Weight,
+    dequantized_only,
     dequantized_tensors,
     gguf_model_config,
     open_gguf,
     read_int4_weights,
+    tensor_types,
 )
 from server.models.llama import LlamaForCausalLM
 from server.models.quantized import dequantized
@@ -150,19 +153,30 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     logger.info(
         "Loaded %s: %.1fM params, dtype %s, device %s, %.1f MiB of weights, %.1f s%s",
         source.name, num_params / 1e6, str(torch_dtype).replace("torch.", ""), device,
-        num_bytes / 2**20, seconds, _quant_summary(cfg),
+        num_bytes / 2**20, seconds,
+        _gguf_summary(reader) if reader is not None else _quant_summary(cfg),
     )
     return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds)
 
 
 def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:
-    """The Q4_0/Q4_1 linear weights of a GGUF checkpoint as 4-bit codes ({} otherwise)."""
+    """The Q4_0/Q4_1/Q4_K linear weights of a GGUF checkpoint as 4-bit codes ({}
+    otherwise); logs which quantized tensors are served from their dequantized copy only."""
     if not source.is_gguf:
         return {}
     start = time.monotonic()
-    weights = read_int4_weights(_gguf_reader(source), cfg)
-    logger.info("Read 4-bit codes of %d linear layers in %.1f s", len(weights),
-                time.monotonic() - start)
+    reader = _gguf_reader(source)
+    weights = read_int4_weights(reader, cfg)
+    rest = dequantized_only(reader, cfg, weights)
+    logger.info("Read the 4-bit codes (%s) of %d linear layers in %.1f s; served from the "
+                "dequantized copy only: %s", "/".join(INT4_TYPES), len(weights),
+                time.monotonic() - start,
+                ", ".join(f"{n} {k} tensors" for k, n in sorted(rest.items())) or "none",)
+    if any(k not in INT4_TYPES for k in rest):
+        logger.info("No exact kernel here for %s: torch's CPU weight-only kernels take "
+                    "4-bit codes in groups or 8-bit codes scaled per channel, not GGUF's "
+                    "5/6-bit codes or per-block 8-bit scales",
+                    "/".join(sorted(k for k in rest if k not in INT4_TYPES)))
     return weights
 
 
@@ -316,6 +330,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
     return files
+
+
+def _gguf_summary(reader: object) -> str:
+    types = tensor_types(reader)
+    listed = ", ".join(f"{n} {k}" for k, n in sorted(types.items()))
+    return (f"; GGUF tensors {listed}, all dequantized at load (linear layers in "
+            f"{'/'.join(INT4_TYPES)} may also keep their 4-bit codes, logged when read)")
 
 
 def _quant_summary(cfg: ModelConfig) -> str:

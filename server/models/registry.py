@@ -40,11 +40,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # Granite's multipliers (embedding, residual, attention, logits) are config values
     Architecture("GraniteForCausalLM", "granite", "granite"),
     # Phi-3 / Phi-4: q/k/v and gate/up already fused in the checkpoint, LongRoPE
-    Architecture("Phi3ForCausalLM", "phi3", None),
-    Architecture("Gemma2ForCausalLM", "gemma2", None, gemma=True),
-    # llama.cpp exports Mixtral as "llama" with expert tensors: not read here (gguf.py refuses)
-    Architecture("MixtralForCausalLM", "mixtral", None, moe=True, moe_renormalize=True),
-    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", None, qk_norm=True, moe=True),
+    Architecture("Phi3ForCausalLM", "phi3", "phi3", gguf_permuted_qk=False),
+    Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", gemma=True, gguf_permuted_qk=False),
+    # llama.cpp exports Mixtral as "llama" with expert tensors (gguf_architecture tells them
+    # apart by the expert count)
+    Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
+                 gguf_permuted_qk=False),
 )}
 
 
@@ -65,10 +67,15 @@ def architecture_of(architectures: Sequence[str] | None, model_type: str | None)
     raise ValueError(f"unsupported architecture {given}; supported: {supported()}")
 
 
-def gguf_architecture(name: str) -> Architecture:
-    """The family of a GGUF file's ``general.architecture``."""
-    for arch in ARCHITECTURES.values():
-        if arch.gguf_name == name:
+def gguf_architecture(name: str, moe: bool = False) -> Architecture:
+    """The family of a GGUF file's ``general.architecture``; ``moe``: the file has expert
+    tensors (one llama.cpp name can cover a dense and a mixture-of-experts family)."""
+    matches = [a for a in ARCHITECTURES.values() if a.gguf_name == name]
+    for arch in matches:
+        if arch.moe == moe:
             return arch
-    known = ", ".join(sorted(a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name))
+    if matches:
+        kind = "mixture-of-experts" if moe else "dense"
+        raise ValueError(f"GGUF architecture {name!r} is not supported as a {kind} model")
+    known = ", ".join(sorted({a.gguf_name for a in ARCHITECTURES.values() if a.gguf_name}))
     raise ValueError(f"unsupported GGUF architecture {name!r}; supported: {known}")

@@ -149,15 +149,17 @@ def test_moe_stacked_expert_names_load_alike(tiny_model_factory, tmp_path: Path)
         assert torch.equal(a, b), name
 
 
-def test_moe_gguf_is_a_clear_error(tmp_path: Path) -> None:
-    """llama.cpp writes Mixtral as "llama" with experts: refused, not half loaded."""
+def test_moe_gguf_of_a_dense_only_family_is_a_clear_error(tmp_path: Path) -> None:
+    """Expert tensors under a name whose family has no mixture-of-experts variant here
+    (llama.cpp's "llama" with experts is Mixtral, see test_gguf_families.py): refused, not
+    half loaded."""
     import gguf
 
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    path = tmp_path / "granite-moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "granite")
     writer.add_expert_count(8)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="8 experts"):
+    with pytest.raises(ValueError, match="'granite' is not supported as a mixture-of-experts"):
         gguf_model_config(gguf.GGUFReader(str(path)))

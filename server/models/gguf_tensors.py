@@ -1,0 +1,134 @@
+"""A GGUF file's tensors under Hugging Face names, dequantized, in the layout the loader
+expects (un-permuted Q/K rows, experts stacked gate-then-up).
+
+One name map serves both the dequantized weights and the 4-bit codes (gguf_quants.py), so a
+module's codes line up with its dense weight row for row.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from server.models.config import ModelConfig
+from server.models.registry import ARCHITECTURES
+
+# Pseudo-name under which the rope_freqs tensor (Llama 3.1's RoPE scaling) is yielded.
+ROPE_FREQ_FACTORS = "rotary.freq_factors"
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": ROPE_FREQ_FACTORS,
+}
+# llama.cpp's per-block tensor -> the Hugging Face module (under layers.N)
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused in the checkpoint already
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    # mixture of experts: the router, then all experts of a layer stacked [E, out, in]
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# Where a family's converter reuses a name for another module
+_FAMILY_BLOCK_NAMES = {
+    # Gemma 2's four norms: llama.cpp's ffn_norm is the pre-MLP norm, and the post-attention
+    # norm (applied to the attention output) has a name of its own
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    # Phi-3's ffn_up is the checkpoint's gate_up_proj: gate rows then up rows
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def block_names(cfg: ModelConfig) -> dict[str, str]:
+    return {**_BLOCK_NAMES, **_FAMILY_BLOCK_NAMES.get(cfg.model_type, {})}
+
+
+def parse_block_tensor(name: str, names: dict[str, str]) -> tuple[int, str, str, str] | None:
+    """``blk.3.attn_q.weight`` -> (3, "attn_q", HF module, "weight"); None for others."""
+    match = _BLOCK_TENSOR.match(name)
+    if match is None or match.group(2) not in names:
+        return None
+    layer, part, kind = match.groups()
+    return int(layer), part, names[part], kind
+
+
+def _unpermutes(cfg: ModelConfig) -> bool:
+    # llama.cpp's converter permutes Q/K rows for its interleaved RoPE on "llama" models
+    # only (Mixtral included); the others keep the Hugging Face layout.
+    return next(a.gguf_permuted_qk for a in ARCHITECTURES.values()
+                if a.model_type == cfg.model_type)
+
+
+def unpermute(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (rows only; any trailing shape)."""
+    rows = t.shape[0]
+    return (t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:])
+            .transpose(1, 2).reshape(t.shape))
+
+
+def q_or_k_heads(part: str, cfg: ModelConfig) -> int | None:
+    """The head count to un-permute a tensor's rows by, None if it is not permuted."""
+    if not _unpermutes(cfg):
+        return None
+    return {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(part)
+
+
+def dequantized_tensors(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor the model uses.
+
+    Experts come as transformers 5 holds them: ``mlp.experts.gate_up_proj [E, 2I, H]``
+    (llama.cpp stores gate and up apart, joined here once both were read) and
+    ``mlp.experts.down_proj [E, H, I]``.
+    """
+    import gguf
+
+    names = block_names(cfg)
+    pending: dict[tuple[int, str], torch.Tensor] = {}  # one half of a layer's gate/up
+    for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
+        parsed = parse_block_tensor(t.name, names)
+        if parsed is not None:
+            layer, part, module, kind = parsed
+            name = f"layers.{layer}.{module}.{kind}"
+        elif t.name in _TOP_LEVEL_NAMES:
+            layer, part, name, kind = -1, "", _TOP_LEVEL_NAMES[t.name], "weight"
+        else:
+            continue  # e.g. Phi-3's rope_factors_*: read into the config
+        weights = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        heads = q_or_k_heads(part, cfg)
+        if heads is not None and kind == "weight":
+            weights = unpermute(weights, heads)
+        if part in ("ffn_gate_exps", "ffn_up_exps"):
+            other = pending.pop((layer, "ffn_up_exps" if part == "ffn_gate_exps"
+                                 else "ffn_gate_exps"), None)
+            if other is None:
+                pending[(layer, part)] = weights
+                continue
+            gate, up = (weights, other) if part == "ffn_gate_exps" else (other, weights)
+            weights = torch.cat([gate, up], dim=1)
+            name = f"layers.{layer}.mlp.experts.gate_up_proj"
+        elif part in ("ffn_gate_up_exps", "ffn_down_exps"):
+            name = name.removesuffix(".weight")
+        yield name, weights
+    if pending:
+        raise ValueError(f"GGUF expert tensors without their other half: {sorted(pending)}")
