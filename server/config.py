@@ -156,6 +156,8 @@ class BucketingConfig:
     # only VLLM_PROMPT_BS_BUCKET_MAX, like the reference)
     prompt_bs: DimOverride = (None, None, None)
     prompt_seq: DimOverride = (None, None, None)
+    # VLLM_PROMPT_CTX_BUCKET_*: context blocks of prompt buckets (prefix caching / chunks)
+    prompt_ctx: DimOverride = (None, None, None)
     decode_bs: DimOverride = (None, None, None)
     decode_block: DimOverride = (None, None, None)
 
@@ -182,6 +184,7 @@ def bucketing_config_from_env(environ: Mapping[str, str] | None = None) -> Bucke
         strategy=strategy,
         file=env.get("VLLM_BUCKETING_FROM_FILE") or None,
         prompt_bs=dim("PROMPT", "BS"), prompt_seq=dim("PROMPT", "SEQ"),
+        prompt_ctx=dim("PROMPT", "CTX"),
         decode_bs=dim("DECODE", "BS"), decode_block=dim("DECODE", "BLOCK"),
     )
 
@@ -243,15 +246,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="split long prompts over steps within --max-num-batched-tokens, "
-                             "running decodes first in every step (eager execution; with "
-                             "graphs the phases stay separate)")
+                             "running decodes first in every step (with graphs, a chunk "
+                             "after the first runs alone in a prompt bucket with context blocks)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=False,
                         help="reuse the KV blocks of a prompt prefix computed before (full "
-                             "blocks, chained hashes); eager execution only for now, and off "
+                             "blocks, chained hashes); off "
                              "by default: on CPU a hit still costs more than recomputing")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="fp8: store K/V as float8 e4m3 (half the bytes of bf16), upcast "

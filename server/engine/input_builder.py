@@ -38,17 +38,24 @@ class InputBuilder:
 
     def prefill(
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None,
-        new_tokens: list[int] | None = None,
+        new_tokens: list[int] | None = None, ctx_blocks: int | None = None,
     ) -> ForwardInputs:
         """Each sequence's next ``new_tokens`` (default: all) past the tokens already in
         the cache (a cached prefix, earlier chunks), right-padded into ``[bs, q]``; the
-        queries start there and attend to what precedes them in the cache."""
+        queries start there and attend to what precedes them in the cache. ``ctx_blocks``:
+        the bucket's context width (static shapes: the tables are padded to it and whether
+        the context path runs is the bucket's, not the data's, decision)."""
         starts = [s.num_computed_tokens for s in seqs]
         lens = (new_tokens if new_tokens is not None
                 else [s.num_tokens - c for s, c in zip(seqs, starts)])
         bs, q = pad_to if pad_to is not None else (len(seqs), max(lens))
         block = self.block_size
-        width = max([-(-(c + q) // block) for c in starts] + [1])
+        if ctx_blocks is None:
+            width = max([-(-(c + q) // block) for c in starts] + [1])
+            with_context = any(starts)
+        else:
+            width = ctx_blocks + -(-q // block)
+            with_context = ctx_blocks > 0
         token_ids = torch.zeros(bs, q, dtype=torch.long)
         block_tables = torch.full((bs, width), self.pad_block_id, dtype=torch.long)
         for row, seq in enumerate(seqs):
@@ -80,13 +87,14 @@ class InputBuilder:
                 self.device)
             token_lens = torch.minimum(positions + 1, total.unsqueeze(1))
             meta.seq_lens = token_lens.reshape(-1).to(torch.int32).to(self.device)
-        if any(starts):
+        if with_context:
             # the queries attend to the cache (prefix and their own fresh keys)
             meta.has_context = True
             meta.context_tables = block_tables.to(self.device)
             meta.context_lens = context.to(self.device)
             meta.total_lens = total.to(self.device)
-            meta.host_context_lens = starts
+            if ctx_blocks is None:  # eager: row-by-row flash attention may read these
+                meta.host_context_lens = starts
         return ForwardInputs(
             token_ids.to(self.device),
             torch.where(is_real, positions, 0).to(self.device),
@@ -175,8 +183,12 @@ class InputBuilder:
         block = self.block_size
         pad = self.pad_block_id
         if phase is Phase.PROMPT:
-            seqs = [dummy_seq(q, [pad] * -(-q // block)) for _ in range(bs)]
-            return self.prefill(seqs, pad_to=(bs, q))
+            context = blocks * block  # tokens the queries follow in the cache
+            seqs = [dummy_seq(context + q, [pad] * (blocks + -(-q // block)))
+                    for _ in range(bs)]
+            for seq in seqs:
+                seq.num_computed_tokens = context
+            return self.prefill(seqs, pad_to=(bs, q), ctx_blocks=blocks)
         # Spread the bucket's blocks over its rows; every row has at least one.
         per_row = [blocks // bs + (1 if i < blocks % bs else 0) for i in range(bs)]
         seqs = [dummy_seq(n * block, [pad] * n) for n in per_row if n > 0]

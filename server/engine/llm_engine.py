@@ -87,27 +87,18 @@ class LLMEngine:
         if loaded.config.max_context < loaded.config.max_position_embeddings:
             logger.warning("Context capped at the model's sliding window of %d tokens "
                            "(attention here is not windowed)", loaded.config.max_context)
-        chunked = config.scheduler.enable_chunked_prefill
-        if chunked and platform.resolve_mode(config.device) is not ExecutionMode.EAGER:
-            # a chunk after the first has context blocks: shapes the warmed-up prompt
-            # buckets do not cover yet
-            logger.info("Chunked prefill is off: it runs in eager execution only for now")
-            chunked = False
+        # graphs: a prefill with context runs alone, in a prompt bucket with context blocks
+        static = platform.resolve_mode(config.device) is not ExecutionMode.EAGER
         self.limits = SchedulerLimits.resolve(config.scheduler, loaded.config.max_context,
-                                              chunked)
+                                              context_prefill_alone=static)
         # A GGUF's own 4-bit codes, read only if the platform serves from them.
         int4_weights = (functools.partial(load_int4_weights, source, loaded.config)
                         if source.is_gguf and quantization != "none" else None)
         self.runner = ModelRunner(config, platform, loaded, self.limits, self.eos_token_ids,
                                   self.model_name, cache_dir, int4_weights)
         block_size = config.cache.block_size
-        caching = config.cache.enable_prefix_caching
-        if caching and self.runner.graphs.needs_warmup:
-            # a prefill after a cached prefix has context blocks: shapes the warmed-up
-            # prompt buckets do not cover yet
-            logger.info("Prefix caching is off: it runs in eager execution only for now")
-            caching = False
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size, caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size,
+                                          config.cache.enable_prefix_caching)
         assert self.block_manager.pad_block_id == self.runner.pad_block_id
         self.scheduler = Scheduler(self.limits, self.block_manager,
                                    self.runner.prefill_fits if self.runner.shapes else None)

@@ -104,7 +104,8 @@ class ModelRunner:
         ranges = resolve_ranges(
             config.bucketing, block_size=self.block_size, max_model_len=limits.max_model_len,
             max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=self.token_budget,
-            num_blocks=self.num_blocks)
+            num_blocks=self.num_blocks,
+            with_context=limits.chunked_prefill or config.cache.enable_prefix_caching)
         # Padding only pays where shapes are compiled or captured; plain eager PyTorch
         # would just compute the padding.
         self.shapes: ShapePlanner | None = None
@@ -135,7 +136,10 @@ class ModelRunner:
         bucket = self._bucket(phase, seqs, new_tokens)
         pad_to = padded_size(phase, bucket)
         if phase is Phase.PROMPT:
-            inputs = self.inputs.prefill(seqs, pad_to, new_tokens)
+            # with graphs the bucket fixes the context width (and whether there is one);
+            # eager execution follows the data
+            inputs = self.inputs.prefill(seqs, pad_to, new_tokens,
+                                         bucket[2] if self.graphs.needs_warmup else None)
         else:
             inputs = self.inputs.decode(seqs, pad_to)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
@@ -155,13 +159,15 @@ class ModelRunner:
     def _bucket(self, phase: Phase, seqs: list[Sequence], new_tokens: list[int]) -> Bucket:
         """The planned bucket that holds the batch, or its exact shape when bucketing is off
         or the batch fits no bucket (then counted as a miss)."""
+        ctx = 0
         if phase is Phase.PROMPT:
             bs, size = len(seqs), max(new_tokens)
+            ctx = max(-(-s.num_computed_tokens // self.block_size) for s in seqs)
         else:
             bs, size = len(seqs), sum(len(s.block_table) for s in seqs)
         if self.shapes is None:
-            return exact_bucket(phase, bs, size)
-        return self.shapes.pad(phase, bs, size)
+            return exact_bucket(phase, bs, size, ctx)
+        return self.shapes.pad(phase, bs, size, ctx)
 
     def warmup(self) -> float:
         """Runs (compiles / captures) every planned bucket and the sampler before serving;

@@ -26,13 +26,16 @@ class SchedulerLimits:
     policy: str = "fcfs"
     # prompts split over steps under the token budget, decodes first (mixed steps)
     chunked_prefill: bool = False
+    # static shapes: a prefill after a context (cached prefix, earlier chunks) runs as its
+    # own batch, as the prompt buckets with context blocks have batch size 1
+    context_prefill_alone: bool = False
 
     @classmethod
     def resolve(cls, config: SchedulerConfig, model_max_len: int,
-                chunked_prefill: bool | None = None) -> SchedulerLimits:
+                chunked_prefill: bool | None = None,
+                context_prefill_alone: bool = False) -> SchedulerLimits:
         """The flags' limits with the model's defaults filled in, checked against it.
-        ``chunked_prefill``: whether chunking runs (the flag, unless the execution mode
-        rules it out)."""
+        ``chunked_prefill`` overrides the flag."""
         chunked = config.enable_chunked_prefill if chunked_prefill is None else chunked_prefill
         max_model_len = config.max_model_len or model_max_len
         if max_model_len > model_max_len:
@@ -43,9 +46,9 @@ class SchedulerLimits:
             # Without chunked prefill a whole prompt must fit one step's token budget.
             raise ValueError(
                 f"--max-num-batched-tokens ({max_batched}) must be >= --max-model-len "
-                f"({max_model_len}) since prompts are not chunked "
-                "(--no-enable-chunked-prefill, or an execution mode with graphs)")
-        return cls(config.max_num_seqs, max_batched, max_model_len, config.policy, chunked)
+                f"({max_model_len}) since prompts are not chunked (--no-enable-chunked-prefill)")
+        return cls(config.max_num_seqs, max_batched, max_model_len, config.policy, chunked,
+                   context_prefill_alone)
 
 
 class Scheduler:
@@ -111,8 +114,7 @@ class Scheduler:
             return [batch] if batch is not None else []
         decode = self._schedule_decode()
         budget = self.limits.max_num_batched_tokens - (len(decode.seqs) if decode else 0)
-        prefill = self._schedule_chunks(budget)
-        return [b for b in (decode, prefill) if b is not None]
+        return ([decode] if decode is not None else []) + self._schedule_chunks(budget)
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Records that ``batch`` ran: its tokens' K/V are in the cache now."""
@@ -145,6 +147,14 @@ class Scheduler:
             plan = self.block_manager.plan(seq)
             if not plan.fits:
                 break
+            if plan.num_cached_tokens and self.limits.context_prefill_alone:
+                if seqs:  # static shapes: a prefill after a cached prefix runs alone
+                    break
+                self.waiting.popleft()
+                self.block_manager.allocate(seq, plan)
+                seq.status = SequenceStatus.RUNNING
+                seqs.append(seq)
+                break
             # only the tokens past its cached prefix are computed
             new_tokens = seq.num_tokens - plan.num_cached_tokens
             if num_tokens + new_tokens > self.limits.max_num_batched_tokens:
@@ -164,12 +174,22 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self._order)
         return ScheduledBatch(Phase.PROMPT, seqs)
 
-    def _schedule_chunks(self, budget: int) -> ScheduledBatch | None:
+    def _schedule_chunks(self, budget: int) -> list[ScheduledBatch]:
         """Prompt chunks within ``budget`` tokens: the prompts already started first (in
         order), then new admissions. A chunk that stops short of the prompt's end ends on a
-        block boundary, so every later chunk starts on one."""
+        block boundary, so every later chunk starts on one. One batch, or with static
+        shapes one per prefill with context plus one of those without."""
+        alone: list[ScheduledBatch] = []  # prefills with context, with static shapes
         seqs: list[Sequence] = []
         chunks: list[int] = []
+
+        def add(seq: Sequence, chunk: int, has_context: bool) -> None:
+            if has_context and self.limits.context_prefill_alone:
+                alone.append(ScheduledBatch(Phase.PROMPT, [seq], num_new_tokens=[chunk]))
+            else:
+                seqs.append(seq)
+                chunks.append(chunk)
+
         for seq in self.running:
             if budget <= 0:
                 break
@@ -178,8 +198,7 @@ class Scheduler:
             chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if chunk == 0:
                 break
-            seqs.append(seq)
-            chunks.append(chunk)
+            add(seq, chunk, seq.num_computed_tokens > 0)
             budget -= chunk
         admitted: list[Sequence] = []
         while (self.waiting and budget > 0
@@ -191,16 +210,21 @@ class Scheduler:
             chunk = self._chunk(seq.num_tokens - plan.num_cached_tokens, budget)
             if chunk == 0:
                 break
+            grouped = not (plan.num_cached_tokens and self.limits.context_prefill_alone)
+            if (grouped and seqs and self.prefill_fits
+                    and not self.prefill_fits(len(seqs) + 1, max(chunks + [chunk]))):
+                break
             self.waiting.popleft()
             self.block_manager.allocate(seq, plan)
             seq.status = SequenceStatus.RUNNING
             admitted.append(seq)
-            seqs.append(seq)
-            chunks.append(chunk)
+            add(seq, chunk, plan.num_cached_tokens > 0)
             budget -= chunk
         for seq in admitted:
             bisect.insort(self.running, seq, key=self._order)
-        return ScheduledBatch(Phase.PROMPT, seqs, num_new_tokens=chunks) if seqs else None
+        if seqs:
+            alone.append(ScheduledBatch(Phase.PROMPT, seqs, num_new_tokens=chunks))
+        return alone
 
     def _chunk(self, remaining: int, budget: int) -> int:
         if remaining <= budget:

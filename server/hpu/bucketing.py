@@ -1,8 +1,11 @@
 """Bucket planning as pure functions (no torch): which padded shapes get warmed up.
 
 A bucket is ``(batch_size, query_len, ctx_blocks)``. Prompt buckets have ``query_len`` a
-multiple of the block size and (without prefix caching) ``ctx_blocks == 0``; decode buckets
-have ``query_len == 1`` and ``ctx_blocks`` = total KV blocks of the whole batch. Ranges and
+multiple of the block size and ``ctx_blocks`` the context the queries follow in the cache (a
+cached prefix, earlier chunks of the prompt); without prefix caching and chunked prefill it is
+always 0, and a prefill with context runs alone (``batch_size == 1``), as in vLLM's Gaudi
+backend, which found padding a group to its longest context too costly. Decode buckets have
+``query_len == 1`` and ``ctx_blocks`` = total KV blocks of the whole batch. Ranges and
 defaults follow vLLM's Gaudi backend (exponential by default, linear, or an explicit file).
 """
 
@@ -71,15 +74,21 @@ class BucketRanges:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    prompt: dict[str, DimRange] = field(default_factory=dict)  # keys bs, seq
+    prompt: dict[str, DimRange] = field(default_factory=dict)  # keys bs, seq (, ctx)
     decode: dict[str, DimRange] = field(default_factory=dict)  # keys bs, block
     file: str | None = None
+
+    @property
+    def with_context(self) -> bool:
+        """Whether prompt buckets carry context blocks (prefix caching, chunked prefill)."""
+        return "ctx" in self.prompt
 
 
 def resolve_ranges(cfg: BucketingConfig, *, block_size: int, max_model_len: int,
                    max_num_seqs: int, max_num_batched_tokens: int,
-                   num_blocks: int | None = None) -> BucketRanges:
-    """The reference's defaults filled in from the limits, the user's values kept."""
+                   num_blocks: int | None = None, with_context: bool = False) -> BucketRanges:
+    """The reference's defaults filled in from the limits, the user's values kept;
+    ``with_context``: prompt buckets get a context dimension."""
     B, mml, mns, mnbt = block_size, max_model_len, max_num_seqs, max_num_batched_tokens
     p_bs_max = _or(cfg.prompt_bs[2], 1)
     # Decode blocks: every sequence at full length is the worst case.
@@ -102,6 +111,13 @@ def resolve_ranges(cfg: BucketingConfig, *, block_size: int, max_model_len: int,
                   "seq": dim(cfg.prompt_seq, (B, B, min(mnbt, mml)))}
         decode = {"bs": dim(cfg.decode_bs, (1, 32, mns)),
                   "block": dim(cfg.decode_block, (1, B, max(mml * mns // B, B)))}
+    if with_context:
+        # the longest context a query of at least one block can follow
+        ctx_max = max((mml - B) // B, 1)
+        if cfg.strategy == "exp":
+            prompt["ctx"] = (0, 1, ctx_max, math.ceil(math.log2(ctx_max)) + 1)
+        else:
+            prompt["ctx"] = dim(cfg.prompt_ctx, (0, 1, ctx_max))
     return BucketRanges("file" if cfg.file else cfg.strategy, cfg.enabled, B, mml, mns, mnbt,
                         prompt, decode, cfg.file)
 
@@ -117,7 +133,9 @@ def _range(cfg: BucketRanges, r: DimRange) -> list[int]:
 def prompt_buckets(cfg: BucketRanges) -> list[Bucket]:
     if cfg.file:
         return [b for b in parse_bucket_file(cfg.file) if b[1] != 1 and _prompt_ok(cfg, b)]
-    candidates = product(_range(cfg, cfg.prompt["bs"]), _range(cfg, cfg.prompt["seq"]), [0])
+    contexts = _range(cfg, cfg.prompt["ctx"]) if cfg.with_context else [0]
+    candidates = product(_range(cfg, cfg.prompt["bs"]), _range(cfg, cfg.prompt["seq"]),
+                         sorted(set(contexts) | {0}))
     return sorted(b for b in candidates if _prompt_ok(cfg, b))
 
 
@@ -133,6 +151,8 @@ def decode_buckets(cfg: BucketRanges) -> list[Bucket]:
 
 def _prompt_ok(cfg: BucketRanges, b: Bucket) -> bool:
     bs, q, ctx = b
+    if ctx and (bs != 1 or not cfg.with_context):  # a prefill with context runs alone
+        return False
     return (bs <= cfg.max_num_seqs and q <= cfg.max_model_len
             and bs * q <= cfg.max_num_batched_tokens
             and ctx <= math.ceil((cfg.max_model_len - 1) / cfg.block_size))
@@ -174,9 +194,10 @@ def config_lines(cfg: BucketRanges) -> list[str]:
     if cfg.file:
         return [f"Bucketing from file: {cfg.file}"]
     p, d = cfg.prompt, cfg.decode
+    ctx = f", ctx:{list(p['ctx'])}" if cfg.with_context else ""
     return [
         f"Prompt bucket config (min, step, max_warmup, limit) bs:{list(p['bs'])}, "
-        f"seq:{list(p['seq'])}",
+        f"seq:{list(p['seq'])}{ctx}",
         f"Decode bucket config (min, step, max_warmup, limit) bs:{list(d['bs'])}, "
         f"block:{list(d['block'])}",
     ]

@@ -15,7 +15,8 @@ logger = logging.getLogger(__name__)
 class ShapePlanner:
     """Pads batches to warmed-up buckets and counts the batches that fit none.
 
-    Prompt buckets are ``(bs, query_len, ctx_blocks)`` (ctx 0 without prefix caching);
+    Prompt buckets are ``(bs, query_len, ctx_blocks)`` (ctx 0 without prefix caching and
+    chunked prefill);
     decode buckets ``(bs, 1, total_blocks_of_batch)``. A batch beyond every bucket runs at
     its exact shape, is logged once per shape as not warmed up, and counted as a miss.
     """
@@ -27,10 +28,10 @@ class ShapePlanner:
         self.counters = counters
         self._warned: set[Bucket] = set()
 
-    def find(self, phase: Phase, bs: int, size: int) -> Bucket | None:
-        """The lexicographically smallest bucket dominating (bs, size), as the reference
-        implementation picks it (smallest batch first, not least padding)."""
-        target = exact_bucket(phase, bs, size)
+    def find(self, phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket | None:
+        """The lexicographically smallest bucket dominating (bs, size, ctx), as the
+        reference implementation picks it (smallest batch first, not least padding)."""
+        target = exact_bucket(phase, bs, size, ctx)
         buckets = self.buckets[phase]
         for bucket in buckets[bisect.bisect_left(buckets, target):]:
             if all(b >= t for b, t in zip(bucket, target)):
@@ -43,23 +44,26 @@ class ShapePlanner:
         bucket = self.find(Phase.PROMPT, num_seqs, max_tokens)
         return bucket is not None and bucket[0] * bucket[1] <= token_budget
 
-    def pad(self, phase: Phase, bs: int, size: int) -> Bucket:
+    def pad(self, phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:
         """The bucket to run a batch of ``bs`` rows and ``size`` (prompt length or total
-        KV blocks) in: a planned one, or the exact shape when none holds it (a miss)."""
-        bucket = self.find(phase, bs, size)
+        KV blocks) in, after ``ctx`` context blocks (prompts): a planned one, or the exact
+        shape when none holds it (a miss)."""
+        bucket = self.find(phase, bs, size, ctx)
         if bucket is not None:
             return bucket
         self.counters.missed(phase)
-        exact = exact_bucket(phase, bs, size)
+        exact = exact_bucket(phase, bs, size, ctx)
         if exact not in self._warned:
             self._warned.add(exact)
-            logger.warning("Configuration: (%r, %d, %d) was not warmed-up!", str(phase), bs, size)
+            logger.warning("Configuration: (%r, %d, %d, %d) was not warmed-up!", str(phase),
+                           *exact)
         return exact
 
 
-def exact_bucket(phase: Phase, bs: int, size: int) -> Bucket:
-    """The bucket of exactly this shape: ``size`` is the prompt length or total blocks."""
-    return (bs, size, 0) if phase is Phase.PROMPT else (bs, 1, size)
+def exact_bucket(phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:
+    """The bucket of exactly this shape: ``size`` is the prompt length or total blocks,
+    ``ctx`` the prompts' context blocks."""
+    return (bs, size, ctx) if phase is Phase.PROMPT else (bs, 1, size)
 
 
 def padded_size(phase: Phase, bucket: Bucket) -> tuple[int, int]:

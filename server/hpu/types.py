@@ -21,6 +21,7 @@ class Phase(str, enum.Enum):
         return self.value
 
 
-# A planned shape: (batch size, query length, context blocks). Prompt buckets have context
-# 0 (no prefix caching yet); decode buckets have query 1 and the batch's total KV blocks.
+# A planned shape: (batch size, query length, context blocks). Prompt buckets have the
+# blocks their queries follow in the cache (a cached prefix, earlier chunks; 0 for a fresh
+# prompt); decode buckets have query 1 and the batch's total KV blocks.
 Bucket = tuple[int, int, int]
