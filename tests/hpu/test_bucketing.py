@@ -146,3 +146,31 @@ def test_shipped_example_bucket_file_parses() -> None:
     assert (8, 1, 104) in decodes
     assert (32, 1, 480) in decodes
     assert all(blocks < 544 for _, _, blocks in decodes)
+
+
+def test_context_dimension_for_chunked_prefill_and_prefix_caching() -> None:
+    env = bucketing_config_from_env({})
+    limits = dict(block_size=128, max_model_len=4096, max_num_seqs=16,
+                  max_num_batched_tokens=2048, num_blocks=200)
+    plain = prompt_buckets(resolve_ranges(env, **limits))
+    ranges = resolve_ranges(env, **limits, with_context=True)
+    buckets = prompt_buckets(ranges)
+    # the context-free buckets are unchanged; the new ones are bs 1, context up to the
+    # longest a one-block query can follow: (4096 - 128) / 128 = 31 blocks
+    assert [b for b in buckets if b[2] == 0] == plain
+    with_ctx = [b for b in buckets if b[2] > 0]
+    assert {b[0] for b in with_ctx} == {1}
+    assert sorted({b[2] for b in with_ctx}) == [1, 2, 4, 8, 16, 31]
+    assert "ctx:[0, 1, 31, 6]" in format_plan(ranges)
+    # linear strategy: the reference's VLLM_PROMPT_CTX_BUCKET_* knobs
+    lin = bucketing_config_from_env({"VLLM_BUCKETING_STRATEGY": "lin",
+                                     "VLLM_PROMPT_CTX_BUCKET_MIN": "0",
+                                     "VLLM_PROMPT_CTX_BUCKET_STEP": "8",
+                                     "VLLM_PROMPT_CTX_BUCKET_MAX": "24"})
+    lin_buckets = prompt_buckets(resolve_ranges(lin, **limits, with_context=True))
+    assert sorted({b[2] for b in lin_buckets}) == [0, 8, 16, 24]
+    # lookups take the context into account; a prefill with context never pads into a
+    # bucket of another batch size
+    planner = ShapePlanner(buckets, [], DeviceCounters("m"))
+    assert planner.pad(Phase.PROMPT, 1, 300, 5) == (1, 384, 8)
+    assert planner.pad(Phase.PROMPT, 1, 300, 0) == (1, 384, 0)
