@@ -93,8 +93,6 @@ class InputBuilder:
             meta.context_tables = block_tables.to(self.device)
             meta.context_lens = context.to(self.device)
             meta.total_lens = total.to(self.device)
-            if ctx_blocks is None:  # eager: row-by-row flash attention may read these
-                meta.host_context_lens = starts
         return ForwardInputs(
             token_ids.to(self.device),
             torch.where(is_real, positions, 0).to(self.device),

@@ -48,8 +48,6 @@ class AttentionMetadata:
     context_tables: torch.Tensor | None = None  # [bs, blocks] long: each row's whole table
     context_lens: torch.Tensor | None = None  # [bs] cached tokens before the row's queries
     total_lens: torch.Tensor | None = None  # [bs] cached + new tokens
-    # the same context lengths on the host, for eager paths that work row by row
-    host_context_lens: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.slot_block is None:
@@ -197,78 +195,3 @@ def flat_paged_attention(
     # Pad rows have no blocks: guard their zero sum instead of dividing by it.
     out = out / seq_sum.clamp_min(1e-30).view(bs, num_kv_heads * groups, 1)
     return out.to(query.dtype)
-
-
-def context_prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    keys_transposed: bool = False,
-) -> torch.Tensor:
-    """Prefill queries ``[bs, q, Hq, D]`` after a context already in the cache (a cached
-    prefix, or the earlier chunks of a chunked prompt), without a ``q x context`` score
-    matrix: flash attention over the context (no mask: every query comes after all of it)
-    and, separately, causal flash attention over the chunk's own fresh keys, merged by their
-    log-sum-exps. One row at a time, with host-side lengths: an eager path (the masked
-    :func:`paged_prefill_attention` is the static-shape one). ``keys_transposed``: key
-    blocks are laid out ``[Hkv, D, B]`` (the fused CPU kernels' layout)."""
-    assert meta.context_tables is not None and meta.host_context_lens is not None
-    bs, q_len, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[1]
-    groups = num_q_heads // num_kv_heads
-    out = torch.empty_like(query)
-    for row in range(bs):
-        q = query[row].transpose(0, 1)  # [Hq, q, D]
-        k_new = key[row].transpose(0, 1).to(query.dtype)  # [Hkv, q, D]
-        v_new = value[row].transpose(0, 1).to(query.dtype)
-        if groups > 1:
-            k_new = k_new.repeat_interleave(groups, dim=0)
-            v_new = v_new.repeat_interleave(groups, dim=0)
-        new_out, new_lse = _flash(q, k_new, v_new, scale, causal=True)
-        context = meta.host_context_lens[row] if row < len(meta.host_context_lens) else 0
-        if context == 0:
-            out[row] = new_out.transpose(0, 1)
-            continue
-        blocks = meta.context_tables[row, : -(-context // meta.block_size)]
-        k_ctx = _gather_tokens(k_cache, blocks, context, keys_transposed).to(query.dtype)
-        v_ctx = _gather_tokens(v_cache, blocks, context).to(query.dtype)
-        # A query group shares its KV head: stack the group along the query axis, so the
-        # context is read once per KV head (no mask here, so query order does not matter).
-        ctx_out, ctx_lse = _flash(q.reshape(num_kv_heads, groups * q_len, head_dim),
-                                  k_ctx, v_ctx, scale, causal=False)
-        ctx_out = ctx_out.reshape(num_q_heads, q_len, head_dim)
-        ctx_lse = ctx_lse.reshape(num_q_heads, q_len)
-        top = torch.maximum(ctx_lse, new_lse)
-        w_ctx = torch.exp(ctx_lse - top).unsqueeze(-1)
-        w_new = torch.exp(new_lse - top).unsqueeze(-1)
-        merged = (ctx_out.float() * w_ctx + new_out.float() * w_new) / (w_ctx + w_new)
-        out[row] = merged.to(query.dtype).transpose(0, 1)
-    return out
-
-
-def _gather_tokens(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int,
-                   transposed: bool = False) -> torch.Tensor:
-    """The first ``num_tokens`` cached tokens of a block table, ``[Hkv, tokens, D]``."""
-    gathered = cache.index_select(0, blocks)  # [n, Hkv, B, D] ([n, Hkv, D, B] transposed)
-    if transposed:
-        gathered = gathered.transpose(2, 3)
-    heads, dim = gathered.shape[1], gathered.shape[3]
-    # contiguous: PyTorch's CPU flash kernel reads the last dimension as dense rows
-    return gathered.transpose(0, 1).reshape(heads, -1, dim)[:, :num_tokens].contiguous()
-
-
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash attention of ``[H, q, D]`` over ``[H, k, D]``: output and float32 log-sum-exp
-    ``[H, q]``. PyTorch's CPU kernel returns both; elsewhere (no such kernel) the scores are
-    computed, which only the eager CPU path reaches in practice."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale)
-        return out[0], lse[0]
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    return torch.matmul(probs.to(v.dtype), v), lse

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from server.hpu.attention import (
     AttentionMetadata,
-    context_prefill_attention,
     flat_paged_attention,
     paged_prefill_attention,
     prompt_attention,
@@ -83,15 +82,7 @@ class TorchLayerOps:
         ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``; ``softcap``: Gemma 2's score cap."""
         tokens, heads, dim = query.shape
         q_len = tokens // bs
-        if meta.context_lens is not None and softcap is None \
-                and meta.host_context_lens is not None:
-            # after a context in the cache (cached prefix, earlier chunks): flash, eager
-            out = context_prefill_attention(query.view(bs, q_len, heads, dim),
-                                            key.view(bs, q_len, key.shape[1], dim),
-                                            value.view(bs, q_len, value.shape[1], dim),
-                                            kv_cache[0], kv_cache[1], meta, scale)
-            return out.reshape(tokens, heads, dim)
-        if meta.context_lens is not None:  # the masked, static-shape form
+        if meta.context_lens is not None:  # after a context in the cache: read it there
             out = paged_prefill_attention(query.view(bs, q_len, heads, dim), kv_cache[0],
                                           kv_cache[1], meta, scale, softcap)
             return out.reshape(tokens, heads, dim)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from server.hpu.attention import AttentionMetadata, context_prefill_attention
+from server.hpu.attention import AttentionMetadata
 from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import Rope, TorchLayerOps
 
@@ -70,20 +70,11 @@ class FusedCpuLayerOps(TorchLayerOps):
     # cache just written) beats PyTorch's CPU flash attention. Measured on SmolLM2, whole
     # prefill steps: 1.13x faster at 200 tokens, 1.14x at 512, 0.96x at 1000.
     kernel_prompt_max = 768
-    context_flash = True
 
     def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
                          softcap: float | None = None) -> torch.Tensor:
         assert softcap is None, "can_serve() sends soft-capped models to PyTorch ops"
-        if meta.has_context and meta.host_context_lens is not None and self.context_flash:
-            tokens, heads, dim = query.shape
-            q_len = tokens // bs
-            out = context_prefill_attention(
-                query.view(bs, q_len, heads, dim), key.view(bs, q_len, key.shape[1], dim),
-                value.view(bs, q_len, value.shape[1], dim), kv_cache[0], kv_cache[1], meta,
-                scale, keys_transposed=True)
-            return out.reshape(tokens, heads, dim)
         # after a cached prefix the kernel reads it from the cache, however long (measured
         # on SmolLM2 with a 1,000-token prefix: 1.35 s per hit, against 1.7 s for PyTorch's
         # masked attention over the gathered blocks and 4.4 s for an unfused one)
