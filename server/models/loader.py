@@ -31,7 +31,6 @@ from server.models.gguf import (
 )
 from server.models.llama import LlamaForCausalLM
 from server.models.quantized import dequantized
-from server.models.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +132,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     model.to_empty(device=device)
     model.to(torch_dtype)
     # RoPE tables are buffers computed at init (in float32): build them for real.
-    model.rotary = RotaryEmbedding(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-    ).to(device)
+    model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     tensors = dequantized_tensors(reader, cfg) if reader is not None else _safetensors(source)

@@ -1,0 +1,118 @@
+"""Sliding-window attention, Gemma 3 and partial rotary embeddings against transformers, on
+sequences several windows long, so that windowed layers really drop keys: logits at every
+prefill and decode step, then greedy tokens through the engine (prefix cache included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_llama import assert_logits_match
+from transformers import GenerationConfig
+
+from server import LLM, SamplingParams
+
+WINDOW = 16
+# prefilled together as one padded batch, then decoded 14 steps: up to 55 tokens, > 3 windows
+LONG_PROMPTS = (5, 23, 41, 12)
+STEPS = 14
+
+CASES = {
+    # sliding layers 0 and 1, global layer 2, two RoPE tables, q/k norms
+    "gemma3": dict(model_type="gemma3_text", sliding_window=WINDOW, tie=True, num_kv_heads=2),
+    # even layers windowed, score and logit soft caps
+    "gemma2": dict(model_type="gemma2", sliding_window=WINDOW, tie=True, num_kv_heads=2),
+    # one window for every layer
+    "mistral": dict(model_type="mistral", sliding_window=WINDOW, tie=False, num_kv_heads=2),
+    # the window in the layers from max_window_layers on (layer 1 of 2)
+    "qwen2": dict(model_type="qwen2", tie=False, num_kv_heads=2, config_kwargs=dict(
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    # RoPE over half of each head (Phi-4-mini's 0.75 works the same way)
+    "phi3-partial-rotary": dict(model_type="phi3", tie=False, num_kv_heads=2,
+                                config_kwargs=dict(partial_rotary_factor=0.5)),
+    "phi3-partial-rotary-window": dict(model_type="phi3", tie=False, num_kv_heads=2,
+                                       config_kwargs=dict(partial_rotary_factor=0.5,
+                                                          sliding_window=WINDOW)),
+}
+WINDOWED = [name for name in CASES if name != "phi3-partial-rotary"]
+
+
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_beyond_the_window(tiny_model_factory, case: str,
+                                                     block: int) -> None:
+    folder, hf_model = tiny_model_factory(**CASES[case])[:2]
+    assert_logits_match(folder, hf_model, prompt_lens=LONG_PROMPTS, steps=STEPS, block=block)
+
+
+@pytest.mark.parametrize("case", WINDOWED)
+def test_the_window_changes_these_logits(tiny_model_factory, case: str) -> None:
+    """Full attention in place of the window no longer matches: the sequences above are
+    long enough for the window to matter, and transformers' reference does apply it."""
+    folder, hf_model = tiny_model_factory(**CASES[case])[:2]
+    windows = []
+
+    def unwindow(model: torch.nn.Module) -> None:
+        for layer in model.layers:
+            windows.append(layer.self_attn.window)
+            layer.self_attn.window = None
+
+    with pytest.raises(AssertionError):
+        assert_logits_match(folder, hf_model, unwindow, prompt_lens=LONG_PROMPTS, steps=STEPS)
+    assert WINDOW in windows
+
+
+def test_gemma3_layers_window_and_rotate_as_configured(tiny_model_factory) -> None:
+    from server.models.loader import load_model, resolve_model_source
+
+    folder = tiny_model_factory(**CASES["gemma3"])[0]
+    model = load_model(resolve_model_source(folder), "float32", torch.device("cpu")).model
+    assert [layer.self_attn.window for layer in model.layers] == [WINDOW, WINDOW, None]
+    assert [layer.local_rope for layer in model.layers] == [True, True, False]
+    # local: base 10k unscaled; global: base 1M, positions divided by the linear factor 8
+    local = 1.0 / 10_000 ** (torch.arange(0, 32, 2) / 32)
+    torch.testing.assert_close(model.rotary_local.inv_freq, local)
+    torch.testing.assert_close(model.rotary.inv_freq,
+                               1.0 / 1_000_000 ** (torch.arange(0, 32, 2) / 32) / 8)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=GenerationConfig(
+            max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("case", ["gemma3", "gemma2", "mistral", "phi3-partial-rotary"])
+def test_greedy_tokens_match_transformers_with_prefix_caching(tiny_model_factory,
+                                                              case: str) -> None:
+    """Engine end to end, 4-token blocks: prompts past the window, then one that continues
+    the first, so its prefill starts after cached blocks (windowed paged prefill)."""
+    folder, hf_model = tiny_model_factory(**CASES[case])[:2]
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=4,
+              enable_prefix_caching=True)
+    gen = torch.Generator().manual_seed(5)
+    vocab = hf_model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (30, 9, 45)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for prompt, got in zip(prompts, outputs):
+        assert got == hf_greedy(hf_model, prompt, 20)
+    follow_up = prompts[0] + outputs[0] + prompts[1][:5]
+    got = llm.generate([follow_up], params)[0].outputs[0].token_ids
+    assert llm.engine.stats().prefix_cache_hits >= 40  # 10 of its blocks were cached
+    assert got == hf_greedy(hf_model, follow_up, 20)
+
+
+@pytest.mark.parametrize("max_model_len,fused", [(16, True), (64, False)])
+def test_fused_cpu_kernels_give_way_only_to_a_window_that_masks(
+        tiny_model_factory, max_model_len: int, fused: bool) -> None:
+    from server.hpu.cpu.kernels import kernels_available
+
+    folder = tiny_model_factory(**CASES["mistral"])[0]
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=2,
+              max_model_len=max_model_len, environ={"HPU_SERVE_CPU_KERNELS": "1"})
+    if not kernels_available():
+        pytest.skip("the fused CPU kernels are not built here")
+    ops = llm.engine.runner.model.layers[0].self_attn.ops
+    assert (ops.name == "fused-cpu") == fused
