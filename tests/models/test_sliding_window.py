@@ -116,3 +116,73 @@ def test_fused_cpu_kernels_give_way_only_to_a_window_that_masks(
         pytest.skip("the fused CPU kernels are not built here")
     ops = llm.engine.runner.model.layers[0].self_attn.ops
     assert (ops.name == "fused-cpu") == fused
+
+
+def test_gemma3_compiled_graphs_window_like_transformers(tiny_model_factory, tmp_path) -> None:
+    """torch.compile per bucket (static shapes; pad rows and pad blocks in every step): the
+    window masks replay without recompiling and tokens equal transformers'. Sliding and
+    global layers each compile once per bucket (their window is a constant of the graph)."""
+    folder, hf_model = tiny_model_factory(**CASES["gemma3"])[:2]
+    buckets = tmp_path / "buckets.txt"
+    buckets.write_text("# prompt buckets\n(2, [64], 0)\n# decode buckets\n(2, 1, [32])\n")
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=2, max_model_len=64,
+              execution_mode="compile", environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
+    counters = llm.engine.counters
+    assert counters.compilations(stage="warmup") == 2 * 2  # 2 buckets x (sliding, global)
+    gen = torch.Generator().manual_seed(9)
+    vocab = hf_model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (37, 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)
+    assert counters.compilations(stage="serving") == 0
+
+
+def config_from_json(tmp_path, fields: dict):
+    import json
+
+    from transformers import AutoConfig
+
+    from server.models.config import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+
+
+def test_gemma3_config_as_the_hub_ships_it(tmp_path) -> None:
+    """google/gemma-3-1b-it's config.json style (older transformers' fields): a pattern
+    instead of layer_types, rope_local_base_freq beside rope_theta and rope_scaling."""
+    cfg = config_from_json(tmp_path, dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        rope_scaling=dict(rope_type="linear", factor=8.0), max_position_embeddings=32768,
+        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh"))
+    assert [i for i in range(26) if cfg.layer_window(i) is None] == [5, 11, 17, 23]
+    assert cfg.layer_window(0) == 512 and cfg.min_window == 512
+    assert (cfg.rope_theta, cfg.rope_scaling["rope_type"], cfg.rope_scaling["factor"]) == \
+        (1_000_000.0, "linear", 8.0)
+    assert (cfg.local_rope_theta, cfg.local_rope_scaling) == (10_000.0, None)
+    assert cfg.qk_norm and cfg.sandwich_norms and cfg.attn_softcap is None
+    assert cfg.attention_multiplier == 256**-0.5
+
+
+@pytest.mark.parametrize("fields,windows", [
+    (dict(use_sliding_window=False, sliding_window=32), [None, None, None]),
+    (dict(use_sliding_window=True, sliding_window=32, max_window_layers=1), [None, 32, 32]),
+])
+def test_qwen2_windows_follow_use_sliding_window(tmp_path, fields, windows) -> None:
+    cfg = config_from_json(tmp_path, dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=100, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, **fields))
+    assert [cfg.layer_window(i) for i in range(3)] == windows
+
+
+def test_partial_rotary_sizes_rope_over_the_rotated_dims(tmp_path) -> None:
+    cfg = config_from_json(tmp_path, dict(
+        architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=100, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        partial_rotary_factor=0.75))
+    assert (cfg.head_dim, cfg.rotary_dim) == (16, 12)
