@@ -91,6 +91,7 @@ class ModelRunner:
             logger.info("Layer ops: PyTorch (%s cannot serve all of: %s)", ops.name,
                         ", ".join(needs))
             ops = TorchLayerOps()
+        loaded.model.serve_context(limits.max_model_len)
         loaded.model.use_ops(ops)
         self.num_blocks = self._num_blocks(config, loaded, limits)
         self.kv_caches = ops.kv_cache_views(allocate_kv_cache(

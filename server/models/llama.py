@@ -200,6 +200,13 @@ class LlamaForCausalLM(nn.Module):
                                     cfg.local_rope_scaling).to(device)
         return rotary, local
 
+    def serve_context(self, max_model_len: int) -> None:
+        """Drops the windows no served sequence can outgrow: they would mask nothing, and
+        their layers then skip the masks (Gemma 3's sliding layers keep their own RoPE)."""
+        for layer in self.layers:
+            if layer.self_attn.window is not None and layer.self_attn.window >= max_model_len:
+                layer.self_attn.window = None
+
     def use_ops(self, ops: TorchLayerOps) -> None:
         """Routes every layer's fusable operations to ``ops`` (see layer_ops.py)."""
         for module in self.modules():
