@@ -50,6 +50,8 @@ class TorchLayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Normalise in float32 like the reference implementation, whatever the weight dtype.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+        if weight.dtype != x.dtype:  # a float32 weight (Gemma's 1 + w): scale, then round
+            return (h * weight).to(x.dtype)
         return weight * h.to(x.dtype)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

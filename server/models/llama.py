@@ -200,6 +200,13 @@ class LlamaForCausalLM(nn.Module):
                                     cfg.local_rope_scaling).to(device)
         return rotary, local
 
+    def keep_norms_in_float(self) -> None:
+        """Gemma's norms scale by 1 + w in float32 and round after, as its reference does:
+        1 + w stored in bfloat16 would lose w's low bits (1.01 becomes 1.0078)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.float()
+
     def serve_context(self, max_model_len: int) -> None:
         """Drops the windows no served sequence can outgrow: they would mask nothing, and
         their layers then skip the masks (Gemma 3's sliding layers keep their own RoPE)."""

@@ -131,6 +131,8 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
         model = LlamaForCausalLM(cfg)
     model.to_empty(device=device)
     model.to(torch_dtype)
+    if cfg.norm_offset:
+        model.keep_norms_in_float()
     # RoPE tables are buffers computed at init (in float32): build them for real.
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
@@ -192,7 +194,9 @@ def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
         # Mixtral's sparse block is "block_sparse_moe" where the others say "mlp"
         name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         if cfg.norm_offset and name.endswith("norm.weight"):
-            tensor = tensor.float() + cfg.norm_offset  # Gemma keeps its norms as w - 1
+            # Gemma keeps its norms as w - 1: w in the model dtype, as the reference holds
+            # it, then 1 + w in float32 (keep_norms_in_float)
+            tensor = tensor.to(model.embed_tokens.weight.dtype).float() + cfg.norm_offset
         if "rotary_emb" in name:
             continue
         if name == ROPE_FREQ_FACTORS:

@@ -104,12 +104,13 @@ def test_greedy_tokens_match_transformers_with_prefix_caching(tiny_model_factory
     assert got == hf_greedy(hf_model, follow_up, 20)
 
 
+@pytest.mark.parametrize("case", ["mistral", "gemma3"])
 @pytest.mark.parametrize("max_model_len,fused", [(16, True), (64, False)])
 def test_fused_cpu_kernels_give_way_only_to_a_window_that_masks(
-        tiny_model_factory, max_model_len: int, fused: bool) -> None:
+        tiny_model_factory, max_model_len: int, fused: bool, case: str) -> None:
     from server.hpu.cpu.kernels import kernels_available
 
-    folder = tiny_model_factory(**CASES["mistral"])[0]
+    folder, hf_model = tiny_model_factory(**CASES[case])[:2]
     llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=2,
               max_model_len=max_model_len, environ={"HPU_SERVE_CPU_KERNELS": "1"})
     if not kernels_available():
@@ -118,6 +119,10 @@ def test_fused_cpu_kernels_give_way_only_to_a_window_that_masks(
     assert (attn.ops.name == "fused-cpu") == fused
     # a window no sequence can outgrow is dropped: no masks to build
     assert attn.window == (None if fused else WINDOW)
+    prompt = list(range(3, 9))
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10,
+                                                ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == hf_greedy(hf_model, prompt, 10)
 
 
 def test_gemma3_compiled_graphs_window_like_transformers(tiny_model_factory, tmp_path) -> None:
@@ -188,3 +193,29 @@ def test_partial_rotary_sizes_rope_over_the_rotated_dims(tmp_path) -> None:
         intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         partial_rotary_factor=0.75))
     assert (cfg.head_dim, cfg.rotary_dim) == (16, 12)
+
+
+def test_gemma3_bfloat16_prefill_rounds_like_transformers(tiny_model_factory) -> None:
+    """In bfloat16 the norms scale by 1 + w in float32 and round once, w held in bfloat16,
+    as transformers does (1 + w rounded to bfloat16 put these logits 0.11 apart)."""
+    from server.engine.input_builder import InputBuilder
+    from server.engine.model_runner import ModelForward
+    from server.engine.sequence import Sequence
+    from server.hpu.kv_cache import allocate_kv_cache
+    from server.models.loader import load_model, resolve_model_source
+
+    folder, hf_model = tiny_model_factory(**CASES["gemma3"])[:2]
+    prompt = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    loaded = load_model(resolve_model_source(folder), "bfloat16", torch.device("cpu"))
+    cfg = loaded.config
+    kv = allocate_kv_cache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim,
+                           torch.bfloat16, torch.device("cpu"))
+    seq = Sequence(0, "0", 0, prompt, SamplingParams(), 0.0)
+    seq.block_table = list(range(8))
+    with torch.inference_mode():
+        inputs = InputBuilder(4, 16, torch.device("cpu"), torch.bfloat16).prefill([seq])
+        ours = ModelForward(loaded.model, kv)(inputs)[0]
+    reference = type(hf_model).from_pretrained(folder, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = reference(torch.tensor([prompt])).logits[0, -1].float()
+    assert (ours - want).abs().max() < 0.02

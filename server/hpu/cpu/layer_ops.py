@@ -47,10 +47,14 @@ class FusedCpuLayerOps(TorchLayerOps):
         self._argmax = ops.argmax.default
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dtype != x.dtype:  # Gemma's float32 weights: the kernel takes one dtype
+            return super().rms_norm(x, weight, eps)
         return self._rms_norm(x.contiguous(), weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight.dtype != x.dtype:
+            return super().add_rms_norm(x, residual, weight, eps)
         residual = residual.contiguous()  # updated in place: the caller's copy is the stream
         return self._add_rms_norm(residual, x.contiguous(), weight, eps), residual
 
