@@ -60,8 +60,10 @@ def save_tiny_model(
     rope_scaling: dict | None = None,
     sliding_window: int | None = None,
     dtype: torch.dtype = torch.float32,
+    config_kwargs: dict | None = None,
 ):
-    """Builds a random model with transformers, saves config + safetensors + tokenizer."""
+    """Builds a random model with transformers, saves config + safetensors + tokenizer.
+    ``config_kwargs`` go to the config as they are (e.g. ``partial_rotary_factor``)."""
     import transformers
 
     tokenizer = build_tokenizer()
@@ -76,6 +78,7 @@ def save_tiny_model(
         tie_word_embeddings=tie,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **(config_kwargs or {}),
     )
     if model_type == "qwen2":
         config = transformers.Qwen2Config(**common)
@@ -95,8 +98,18 @@ def save_tiny_model(
         # strong caps and a head size != hidden / heads, so every departure shows
         config = transformers.Gemma2Config(head_dim=32, query_pre_attn_scalar=24,
                                            attn_logit_softcapping=5.0,
-                                           final_logit_softcapping=3.0, **common)
+                                           final_logit_softcapping=3.0,
+                                           sliding_window=sliding_window or 4096, **common)
         cls = transformers.Gemma2ForCausalLM
+    elif model_type == "gemma3_text":
+        # as Gemma 3 ships: windowed layers then a global one (pattern 3 here, 6 real),
+        # local RoPE base 10k unscaled, global 1M with linear scaling; q/k norms, no caps
+        common["num_hidden_layers"] = 3
+        config = transformers.Gemma3TextConfig(
+            head_dim=32, query_pre_attn_scalar=24, sliding_window=sliding_window or 4096,
+            sliding_window_pattern=3, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+            rope_scaling=rope_scaling or dict(rope_type="linear", factor=8.0), **common)
+        cls = transformers.Gemma3ForCausalLM
     elif model_type == "granite":
         config = transformers.GraniteConfig(embedding_multiplier=6.0, residual_multiplier=0.3,
                                             attention_multiplier=0.05, logits_scaling=4.0,
@@ -128,7 +141,7 @@ def save_tiny_model(
                 p.mul_(3.0)
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")) or (
-                    model_type == "gemma2" and name.endswith("norm.weight")):
+                    model_type.startswith("gemma") and name.endswith("norm.weight")):
                 p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -113,8 +113,10 @@ class InputBuilder:
         block_list = [b for s in seqs for b in s.block_table]
         groups = [row for row, s in enumerate(seqs) for _ in s.block_table]
         usage = []
+        starts = []  # each block's first position relative to its row's query (windows)
         for seq, pos in zip(seqs, positions):
             usage += [block] * (len(seq.block_table) - 1) + [pos % block + 1]
+            starts += range(-pos, len(seq.block_table) * block - pos, block)
         bs, num_blocks = pad_to if pad_to is not None else (len(seqs), len(block_list))
         pad_rows = bs - len(seqs)
         pad_blocks = num_blocks - len(block_list)
@@ -126,6 +128,7 @@ class InputBuilder:
         block_list_t = torch.tensor(block_list + [self.pad_block_id] * pad_blocks)
         groups_t = torch.tensor(groups + [bs] * pad_blocks)
         usage_t = torch.tensor(usage + [1] * pad_blocks)
+        starts_t = torch.tensor(starts + [0] * pad_blocks)
         block_bias = torch.where(
             torch.arange(block).unsqueeze(0) < usage_t.unsqueeze(1), 0.0, _MASKED
         )
@@ -140,6 +143,7 @@ class InputBuilder:
             block_groups=groups_t.to(dev),
             block_mapping=mapping.to(dev),
             block_bias=block_bias.to(dev),
+            block_start=starts_t.to(dev),
         )
         return ForwardInputs(
             token_ids.view(bs, 1).to(dev),

@@ -84,12 +84,10 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             loaded.config.eos_token_ids)
-        if loaded.config.max_context < loaded.config.max_position_embeddings:
-            logger.warning("Context capped at the model's sliding window of %d tokens "
-                           "(attention here is not windowed)", loaded.config.max_context)
         # graphs: a prefill with context runs alone, in a prompt bucket with context blocks
         static = platform.resolve_mode(config.device) is not ExecutionMode.EAGER
-        self.limits = SchedulerLimits.resolve(config.scheduler, loaded.config.max_context,
+        self.limits = SchedulerLimits.resolve(config.scheduler,
+                                              loaded.config.max_position_embeddings,
                                               context_prefill_alone=static)
         # A GGUF's own 4-bit codes, read only if the platform serves from them.
         int4_weights = (functools.partial(load_int4_weights, source, loaded.config)

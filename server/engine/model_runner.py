@@ -79,14 +79,21 @@ class ModelRunner:
         mode = platform.resolve_mode(config.device)
         ops = platform.prepare_model(loaded.model, mode, config.device, int4_weights, cache_dir)
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, loaded.dtype)
-        if not ops.can_serve(self.kv_dtype, loaded.config.attn_softcap):
-            logger.info("Layer ops: PyTorch (%s cannot serve a %s KV cache%s)", ops.name,
-                        str(self.kv_dtype).replace("torch.", ""),
-                        " or soft-capped attention" if loaded.config.attn_softcap else "")
+        cfg = loaded.config
+        # a window as long as the served context masks nothing: full attention serves it
+        window = cfg.min_window if (cfg.min_window or 0) < limits.max_model_len else None
+        partial_rotary = cfg.rotary_dim is not None and cfg.rotary_dim < cfg.head_dim
+        if not ops.can_serve(self.kv_dtype, cfg.attn_softcap, window, partial_rotary):
+            needs = [f"a {str(self.kv_dtype).replace('torch.', '')} KV cache"]
+            needs += ["soft-capped attention"] if cfg.attn_softcap else []
+            needs += [f"a {window}-token sliding window"] if window else []
+            needs += ["partial rotary embeddings"] if partial_rotary else []
+            logger.info("Layer ops: PyTorch (%s cannot serve all of: %s)", ops.name,
+                        ", ".join(needs))
             ops = TorchLayerOps()
+        loaded.model.serve_context(limits.max_model_len)
         loaded.model.use_ops(ops)
         self.num_blocks = self._num_blocks(config, loaded, limits)
-        cfg = loaded.config
         self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
             cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
             self.kv_dtype, platform.device))

@@ -19,12 +19,19 @@ from server.hpu.attention import (
 )
 from server.hpu.kv_cache import KVCache
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D] in the model dtype
+# cos, sin [T, 1, R] in the model dtype; R == D, or R < D for partial rotary embeddings
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``[T, H, D]``; queries and keys go through in one call."""
-    half = x.shape[-1] // 2
+    """Rotate-half RoPE on ``[T, H, D]``; queries and keys go through in one call. Tables
+    narrower than D rotate the first R dims only, the rest pass through (Phi-4-mini's
+    partial_rotary_factor)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]),
+                         dim=-1)
+    half = rotary_dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -43,6 +50,8 @@ class TorchLayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Normalise in float32 like the reference implementation, whatever the weight dtype.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+        if weight.dtype != x.dtype:  # a float32 weight (Gemma's 1 + w): scale, then round
+            return (h * weight).to(x.dtype)
         return weight * h.to(x.dtype)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -77,28 +86,35 @@ class TorchLayerOps:
 
     def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
-                         softcap: float | None = None) -> torch.Tensor:
+                         softcap: float | None = None, window: int | None = None
+                         ) -> torch.Tensor:
         """Causal attention of a right-padded prefill batch: q ``[bs * q, Hq, D]``, k / v
-        ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``; ``softcap``: Gemma 2's score cap."""
+        ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``; ``softcap``: Gemma 2's score cap;
+        ``window``: the layer's sliding window (None: global attention)."""
         tokens, heads, dim = query.shape
         q_len = tokens // bs
         if meta.context_lens is not None:  # after a context in the cache: read it there
             out = paged_prefill_attention(query.view(bs, q_len, heads, dim), kv_cache[0],
-                                          kv_cache[1], meta, scale, softcap)
+                                          kv_cache[1], meta, scale, softcap, window)
             return out.reshape(tokens, heads, dim)
         # no context beyond the prompt itself: the fresh k / v suffice
         out = prompt_attention(query.view(bs, q_len, heads, dim),
                                key.view(bs, q_len, key.shape[1], dim),
-                               value.view(bs, q_len, value.shape[1], dim), scale, softcap)
+                               value.view(bs, q_len, value.shape[1], dim), scale, softcap,
+                               window)
         return out.reshape(tokens, heads, dim)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                         scale: float, softcap: float | None = None) -> torch.Tensor:
-        return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale, softcap)
+                         scale: float, softcap: float | None = None, window: int | None = None
+                         ) -> torch.Tensor:
+        return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale, softcap,
+                                    window)
 
-    def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None) -> bool:
-        """Whether these ops' attention reads a KV cache stored in ``kv_dtype`` and caps
-        scores where the model asks (these do both: they cast what they gather)."""
+    def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None,
+                  window: int | None = None, partial_rotary: bool = False) -> bool:
+        """Whether these ops' attention reads a KV cache stored in ``kv_dtype``, caps
+        scores where the model asks, masks by a sliding ``window`` shorter than the served
+        context, and rotates part of each head only (these do all four)."""
         return True
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,18 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # Mistral's sliding window (tokens); contexts are capped to it, see max_context
+    # Sliding-window attention: a token sees the keys of the last sliding_window positions
+    # (itself included) in the layers listed in sliding_layers, all layers when that is None
+    # (Mistral, Phi-3); Gemma 2/3 interleave windowed and global layers.
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
+    # RoPE over the first rotary_dim dims of each head only (partial_rotary_factor < 1);
+    # None: the whole head
+    rotary_dim: int | None = None
+    # Gemma 3: the windowed layers' own RoPE (base and scaling), the global layers keep
+    # rope_theta / rope_scaling
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
     # Gemma 2 (see registry.py): the MLP's activation, score and logit caps, a norm after
     # each sublayer, and the checkpoint's norm weights stored as (w - 1)
     mlp_act: str = "silu"  # or "gelu_tanh"
@@ -46,6 +56,9 @@ class ModelConfig:
     final_softcap: float | None = None
     sandwich_norms: bool = False
     norm_offset: float = 0.0
+    # Gemma rounds its embedding multiplier to the model dtype before scaling (sqrt(2560)
+    # is 50.6 but 50.5 in bfloat16); Granite multiplies by the exact float
+    embedding_multiplier_in_dtype: bool = False
     # how the checkpoint's linear weights are quantized (GPTQ, AWQ, FP8), None: they are not
     quant: QuantConfig | None = None
     # torch dtype name from the checkpoint ("bfloat16", "float32"...), None if unknown
@@ -65,13 +78,14 @@ class ModelConfig:
         arch = architecture_of(getattr(hf, "architectures", None),
                                getattr(hf, "model_type", None))
         model_type = arch.model_type
-        partial = _partial_rotary_factor(hf)
-        if partial != 1.0:
-            raise ValueError(f"partial rotary embeddings (partial_rotary_factor {partial}) "
-                             "are not supported yet")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        rope_theta, rope_scaling = _rope_settings(hf)
+        partial = _partial_rotary_factor(hf)
+        # as transformers sizes it: int(head_dim * factor), the frequencies over that size
+        rotary_dim = int(head_dim * partial) if partial != 1.0 else None
+        rope_theta, rope_scaling = _rope_settings(hf, "full_attention")
+        local_theta, local_scaling = (_rope_settings(hf, "sliding_attention")
+                                      if _has_local_rope(hf) else (None, None))
         attention_bias = bool(getattr(hf, "attention_bias", False))
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
         eos = getattr(hf, "eos_token_id", None)
@@ -102,7 +116,10 @@ class ModelConfig:
             attention_multiplier=(float(hf.attention_multiplier)
                                   if getattr(hf, "attention_multiplier", None) else None),
             logits_scaling=float(getattr(hf, "logits_scaling", 1.0) or 1.0),
-            sliding_window=getattr(hf, "sliding_window", None) or None,
+            **_window_settings(hf),
+            rotary_dim=rotary_dim,
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
             quant=QuantConfig.from_hf(_as_dict(getattr(hf, "quantization_config", None))),
             checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=eos_ids,
@@ -111,18 +128,55 @@ class ModelConfig:
         fields.update(gemma)  # Gemma's readings replace the Llama ones
         return cls(**fields)
 
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer ``index``, None where it attends to everything."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is None or index in self.sliding_layers:
+            return self.sliding_window
+        return None
+
     @property
-    def max_context(self) -> int:
-        """The longest context served exactly: the position limit, or a sliding window
-        below it (attention here is full, which equals windowed attention only within the
-        window, so the window caps the context, as vLLM does where windows are unsupported)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+    def min_window(self) -> int | None:
+        """The smallest window of any layer (None: attention is global everywhere)."""
+        windows = [w for i in range(self.num_layers) if (w := self.layer_window(i)) is not None]
+        return min(windows, default=None)
+
+    @property
+    def uses_local_rope(self) -> bool:
+        return self.local_rope_theta is not None
+
+
+def _window_settings(hf: Any) -> dict[str, Any]:
+    """sliding_window / sliding_layers as transformers applies them: the window in the
+    layers ``layer_types`` marks "sliding_attention" (Gemma 2/3, Qwen2/3, whose configs
+    drop the window unless use_sliding_window and mark the layers from max_window_layers
+    on), or in every layer of families without layer types (Mistral, Mixtral, Phi-3)."""
+    window = getattr(hf, "sliding_window", None) or None
+    if window is None:
+        return dict(sliding_window=None, sliding_layers=None)
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional sliding-window attention is not supported")
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None:
+        return dict(sliding_window=int(window), sliding_layers=None)
+    layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    if not layers:
+        return dict(sliding_window=None, sliding_layers=None)
+    return dict(sliding_window=int(window), sliding_layers=layers)
+
+
+def _has_local_rope(hf: Any) -> bool:
+    """Gemma 3 gives its sliding layers their own RoPE: a rope_parameters dict per layer
+    type (transformers >= 5), or rope_local_base_freq in older config files."""
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and "sliding_attention" in params:
+        return True
+    return getattr(hf, "rope_local_base_freq", None) is not None
 
 
 def _gemma_settings(hf: Any) -> dict[str, Any]:
-    """Gemma 2's departures, as ModelConfig fields (they override the Llama readings)."""
+    """Gemma 2 and 3's departures, as ModelConfig fields (they override the Llama readings)."""
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"Gemma with activation {act!r} is not supported (gelu_pytorch_tanh)")
@@ -134,6 +188,7 @@ def _gemma_settings(hf: Any) -> dict[str, Any]:
         final_softcap=getattr(hf, "final_logit_softcapping", None) or None,
         sandwich_norms=True,
         norm_offset=1.0,
+        embedding_multiplier_in_dtype=True,
     )
 
 
@@ -157,13 +212,19 @@ def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:
     )
 
 
-def _rope_settings(hf: Any) -> tuple[float, dict[str, Any] | None]:
+def _rope_settings(hf: Any, layer_type: str = "full_attention"
+                   ) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from either config generation.
 
-    transformers >= 5 folds both into ``rope_parameters``; older configs (and config.json
-    files written by them) carry ``rope_theta`` and ``rope_scaling``.
+    transformers >= 5 folds both into ``rope_parameters`` (one dict per layer type where
+    they differ: Gemma 3); older configs (and config.json files written by them) carry
+    ``rope_theta`` and ``rope_scaling`` (and Gemma 3 ``rope_local_base_freq``, unscaled).
     """
     params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type in params:
+        params = params[layer_type]
+    elif layer_type == "sliding_attention":
+        return float(hf.rope_local_base_freq), None
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         rope_type = params.get("rope_type", params.get("type", "default"))

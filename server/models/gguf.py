@@ -154,6 +154,10 @@ def _gemma_fields(h: _Header, fields: dict[str, Any]) -> dict[str, Any]:
         final_softcap=float(h("final_logit_softcapping") or 0) or None,
         sandwich_norms=True,
         norm_offset=0.0,
+        # windowed and global layers alternate, the first windowed (llama.cpp's pattern 2,
+        # transformers' layer_types)
+        sliding_layers=(tuple(range(0, fields["num_layers"], 2))
+                        if fields["sliding_window"] else None),
     )
 
 

@@ -1,6 +1,6 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2; Mixtral and
-Qwen3-MoE with the experts of moe.py) over a paged KV cache; server/models/registry.py lists
-the families and what each changes."""
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, Granite, Phi-3,
+Gemma 2/3; Mixtral and Qwen3-MoE with the experts of moe.py) over a paged KV cache;
+server/models/registry.py lists the families and what each changes."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -47,6 +47,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.softcap = cfg.attn_softcap  # Gemma 2
+        self.window = cfg.layer_window(index)  # sliding-window layers (Mistral, Gemma 2/3)
         self.ops: TorchLayerOps = _TORCH_OPS
 
     def forward(
@@ -65,13 +66,15 @@ class Attention(nn.Module):
                                                      self.num_kv_heads)
         if meta.is_prompt:
             out = self.ops.prompt_attention(query, key, value, kv_cache, meta, bs, self.scale,
-                                            self.softcap)
+                                            self.softcap, self.window)
         else:
-            out = self.ops.decode_attention(query, kv_cache, meta, self.scale, self.softcap)
+            out = self.ops.decode_attention(query, kv_cache, meta, self.scale, self.softcap,
+                                            self.window)
         return self.o_proj(out.reshape(bs, q_len, self.q_size))
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3's per-head RMSNorm of q and k (v untouched), ahead of RoPE."""
+        """Qwen3's (and Gemma 3's) per-head RMSNorm of q and k (v untouched), ahead of
+        RoPE."""
         assert self.q_norm is not None and self.k_norm is not None
         tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -99,7 +102,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
+        # Gemma 3's sliding layers rotate by their own RoPE table
+        self.local_rope = cfg.uses_local_rope and self.self_attn.window is not None
         # mixture-of-experts families list their sparse layers; the rest stay dense
         self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(cfg) if index in cfg.moe_layers
                                           else MLP(cfg))
@@ -151,9 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.rotary, self.rotary_local = self.build_rotary()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -167,13 +170,49 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``."""
         x = self.embed_tokens(input_ids)
-        if self.config.embedding_multiplier != 1.0:  # Granite
-            x = x * self.config.embedding_multiplier
+        cfg = self.config
+        if cfg.embedding_multiplier != 1.0:  # Granite, Gemma
+            if cfg.embedding_multiplier_in_dtype:
+                x = x * torch.tensor(cfg.embedding_multiplier, dtype=x.dtype)
+            else:
+                x = x * cfg.embedding_multiplier
         rope = self.rotary(positions.reshape(-1), x.dtype)
+        local_rope = (self.rotary_local(positions.reshape(-1), x.dtype)
+                      if self.rotary_local is not None else rope)
         residual = torch.zeros_like(x)  # 0 + x is exact: the first add changes nothing
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            x, residual = layer(x, residual, local_rope if layer.local_rope else rope,
+                                kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def build_rotary(self, device: torch.device | None = None
+                     ) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+        """The RoPE tables (float32 buffers, computed here: the loader calls this again on
+        the real device after building the model on the meta device): the global one, and
+        Gemma 3's sliding layers' own."""
+        cfg = self.config
+        dim = cfg.rotary_dim or cfg.head_dim
+        rotary = RotaryEmbedding(dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling).to(device)
+        local = None
+        if cfg.local_rope_theta is not None:
+            local = RotaryEmbedding(dim, cfg.max_position_embeddings, cfg.local_rope_theta,
+                                    cfg.local_rope_scaling).to(device)
+        return rotary, local
+
+    def keep_norms_in_float(self) -> None:
+        """Gemma's norms scale by 1 + w in float32 and round after, as its reference does:
+        1 + w stored in bfloat16 would lose w's low bits (1.01 becomes 1.0078)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.float()
+
+    def serve_context(self, max_model_len: int) -> None:
+        """Drops the windows no served sequence can outgrow: they would mask nothing, and
+        their layers then skip the masks (Gemma 3's sliding layers keep their own RoPE)."""
+        for layer in self.layers:
+            if layer.self_attn.window is not None and layer.self_attn.window >= max_model_len:
+                layer.self_attn.window = None
 
     def use_ops(self, ops: TorchLayerOps) -> None:
         """Routes every layer's fusable operations to ``ops`` (see layer_ops.py)."""
@@ -186,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
-        if self.config.final_softcap is not None:  # Gemma 2
+        if self.config.final_softcap is not None:  # Gemma 2 (and 3 where configured)
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits

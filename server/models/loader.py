@@ -34,7 +34,6 @@ from server.models.gguf import (
 )
 from server.models.llama import LlamaForCausalLM
 from server.models.quantized import dequantized
-from server.models.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +134,10 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
         model = LlamaForCausalLM(cfg)
     model.to_empty(device=device)
     model.to(torch_dtype)
+    if cfg.norm_offset:
+        model.keep_norms_in_float()
     # RoPE tables are buffers computed at init (in float32): build them for real.
-    model.rotary = RotaryEmbedding(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-    ).to(device)
+    model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     tensors = dequantized_tensors(reader, cfg) if reader is not None else _safetensors(source)
@@ -209,7 +208,9 @@ def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
         # Mixtral's sparse block is "block_sparse_moe" where the others say "mlp"
         name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         if cfg.norm_offset and name.endswith("norm.weight"):
-            tensor = tensor.float() + cfg.norm_offset  # Gemma keeps its norms as w - 1
+            # Gemma keeps its norms as w - 1: w in the model dtype, as the reference holds
+            # it, then 1 + w in float32 (keep_norms_in_float)
+            tensor = tensor.to(model.embed_tokens.weight.dtype).float() + cfg.norm_offset
         if "rotary_emb" in name:
             continue
         if name == ROPE_FREQ_FACTORS:

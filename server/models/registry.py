@@ -27,8 +27,8 @@ class Architecture:
     # the top-k routing weights are always renormalised to sum to 1 (Mixtral); otherwise
     # the config's norm_topk_prob decides (Qwen3-MoE)
     moe_renormalize: bool = False
-    # Gemma 2: (1 + w) norms, a norm after each sublayer too, GeGLU, embeddings scaled by
-    # sqrt(hidden), soft-capped attention scores and logits
+    # Gemma 2 / 3: (1 + w) norms, a norm after each sublayer too, GeGLU, embeddings scaled
+    # by sqrt(hidden), soft-capped attention scores and logits where the config sets caps
     gemma: bool = False
 
 
@@ -42,6 +42,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # Phi-3 / Phi-4: q/k/v and gate/up already fused in the checkpoint, LongRoPE
     Architecture("Phi3ForCausalLM", "phi3", "phi3", gguf_permuted_qk=False),
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", gemma=True, gguf_permuted_qk=False),
+    # Gemma 3 (text): Gemma 2 plus (1 + w) q/k norms, no soft caps by default, and its
+    # sliding layers' own RoPE (config.py reads layer_types and the two RoPE settings)
+    Architecture("Gemma3ForCausalLM", "gemma3_text", None, qk_norm=True, gemma=True),
     # llama.cpp exports Mixtral as "llama" with expert tensors (gguf_architecture tells them
     # apart by the expert count)
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),

@@ -10,7 +10,7 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import Sequence
-from server.hpu.attention import flat_paged_attention, prompt_attention
+from server.hpu.attention import AttentionMetadata, flat_paged_attention, prompt_attention
 
 BLOCK, HKV, GROUPS, D = 4, 2, 3, 8
 
@@ -92,3 +92,109 @@ def test_write_kv_lands_in_block_offset_and_nowhere_else() -> None:
         torch.testing.assert_close(k_cache[slot // BLOCK, :, slot % BLOCK], key[i])
         torch.testing.assert_close(v_cache[slot // BLOCK, :, slot % BLOCK], value[i])
     assert int((k_cache.abs().sum(dim=(1, 3)) > 0).sum()) == len(slots)
+
+
+# Sliding windows: every path against one naive reference over absolute positions.
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: int,
+                    scale: float, window: int | None, softcap: float | None = None
+                    ) -> torch.Tensor:
+    """q [Hq, D] at position q_pos against the keys at positions 0..T-1 ([T, Hkv, D]):
+    key k is visible iff q_pos - window < k <= q_pos (transformers' sliding window)."""
+    k = k.repeat_interleave(GROUPS, dim=1).transpose(0, 1)  # [Hq, T, D]
+    v = v.repeat_interleave(GROUPS, dim=1).transpose(0, 1)
+    scores = (q.unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale  # [Hq, T]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(k.shape[1])
+    visible = (pos <= q_pos) & ((pos > q_pos - window) if window is not None else True)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return (probs.unsqueeze(1) @ v).squeeze(1)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [1, 3, 5, 16])
+def test_windowed_prompt_attention_matches_naive(window: int, softcap: float | None) -> None:
+    torch.manual_seed(3)
+    q = torch.randn(2, 12, HKV * GROUPS, D)
+    k, v = torch.randn(2, 12, HKV, D), torch.randn(2, 12, HKV, D)
+    out = prompt_attention(q, k, v, D**-0.5, softcap, window)
+    for row in range(2):
+        for t in range(12):
+            ref = naive_attention(q[row, t], k[row], v[row], t, D**-0.5, window, softcap)
+            torch.testing.assert_close(out[row, t], ref, atol=1e-5, rtol=1e-5)
+
+
+def scattered_cache(seq_lens: list[int], num_blocks: int = 40):
+    """A block manager with shuffled free blocks, sequences of these lengths allocated,
+    random caches and the same caches as token rows ``[slot, Hkv, D]``."""
+    bm = BlockManager(num_blocks, BLOCK)
+    free = list(bm._free)
+    random.Random(4).shuffle(free)
+    bm._free.clear()
+    bm._free.extend(free)
+    seqs = []
+    for i, n in enumerate(seq_lens):
+        seq = Sequence(i, str(i), 0, [1] * n, SamplingParams(), 0.0)
+        bm.allocate(seq)
+        seqs.append(seq)
+    k_cache = torch.randn(num_blocks + 1, HKV, BLOCK, D)
+    v_cache = torch.randn(num_blocks + 1, HKV, BLOCK, D)
+    rows = (k_cache.transpose(1, 2).reshape(-1, HKV, D),
+            v_cache.transpose(1, 2).reshape(-1, HKV, D))
+    return bm, seqs, (k_cache, v_cache), rows
+
+
+def token_slots(seq: Sequence) -> list[int]:
+    return [seq.block_table[t // BLOCK] * BLOCK + t % BLOCK for t in range(seq.num_tokens)]
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [1, 4, 6, 9, 64])
+def test_windowed_flat_decode_matches_naive(window: int, softcap: float | None) -> None:
+    from server.engine.input_builder import InputBuilder
+
+    torch.manual_seed(5)
+    bm, seqs, (k_cache, v_cache), (k_rows, v_rows) = scattered_cache([1, 4, 5, 11, 17, 26])
+    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32, "flat")
+    blocks = sum(len(s.block_table) for s in seqs)
+    inputs = builder.decode(seqs, pad_to=(len(seqs) + 2, blocks + 3))  # bucket padding
+    query = torch.randn(len(seqs) + 2, HKV * GROUPS, D)
+    out = flat_paged_attention(query, k_cache, v_cache, inputs.meta, D**-0.5, softcap, window)
+    for row, seq in enumerate(seqs):
+        slots = token_slots(seq)
+        ref = naive_attention(query[row], k_rows[slots], v_rows[slots], seq.num_tokens - 1,
+                              D**-0.5, window, softcap)
+        torch.testing.assert_close(out[row], ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [1, 3, 7, 64])
+def test_windowed_paged_prefill_matches_naive(window: int, softcap: float | None) -> None:
+    """Queries after a cached prefix (the prefill of prefix caching), rows right-padded."""
+    from server.hpu.attention import paged_prefill_attention
+
+    torch.manual_seed(6)
+    totals, contexts = [9, 22, 13], [4, 16, 0]
+    bm, seqs, (k_cache, v_cache), (k_rows, v_rows) = scattered_cache(totals)
+    # pad query columns further past each row's end than the window reaches
+    q_len = max(t - c for t, c in zip(totals, contexts)) + 8
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.full((len(seqs), width), bm.pad_block_id)
+    for row, seq in enumerate(seqs):
+        tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+    meta = AttentionMetadata(True, BLOCK, torch.zeros(1, dtype=torch.long),
+                             has_context=True, context_tables=tables,
+                             context_lens=torch.tensor(contexts), total_lens=torch.tensor(totals))
+    query = torch.randn(len(seqs), q_len, HKV * GROUPS, D)
+    out = paged_prefill_attention(query, k_cache, v_cache, meta, D**-0.5, softcap, window)
+    for row, seq in enumerate(seqs):
+        slots = token_slots(seq)
+        for t in range(totals[row] - contexts[row]):
+            ref = naive_attention(query[row, t], k_rows[slots], v_rows[slots],
+                                  contexts[row] + t, D**-0.5, window, softcap)
+            torch.testing.assert_close(out[row, t], ref, atol=1e-5, rtol=1e-5)
+    # pad queries' values land in the padding block, which every masked slot multiplies by
+    # zero: a NaN there would spread
+    assert torch.isfinite(out).all()

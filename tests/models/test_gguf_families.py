@@ -194,3 +194,15 @@ def test_transformers_reads_the_same_gguf(tiny_model_factory, tmp_path: Path, ar
     torch.testing.assert_close(read, original, atol=2e-4, rtol=1e-4)  # it read it all
     seqs, ours = run_prefill_then_decode(folder, [ids[0].tolist()], steps=0)
     torch.testing.assert_close(ours[0][0], read, atol=2e-4, rtol=1e-4)
+
+
+def test_gemma2_gguf_alternates_windowed_and_global_layers(tmp_path: Path) -> None:
+    """llama.cpp's Gemma 2 pattern: even layers windowed, odd ones global (transformers'
+    layer_types); prompts run past the 8-token window, so windowing every layer (or none)
+    would change the logits."""
+    hf_model = gemma2(sliding_window=8)
+    folder = gguf_folder(tmp_path, hf_model, "gemma2")
+    cfg = load_model(resolve_model_source(folder), "float32", torch.device("cpu")).config
+    assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == [8, None]
+    assert max(PROMPT_LENS) > 8
+    assert_matches(folder, hf_model)

@@ -21,7 +21,8 @@ PROMPT_LENS = (3, 17, 9, 30)  # prefilled together: [4, 30] right-padded
 
 
 def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int,
-                            inspect: Callable[[torch.nn.Module], object] | None = None):
+                            inspect: Callable[[torch.nn.Module], object] | None = None,
+                            block: int = BLOCK):
     """Prefill all prompts as one padded batch, then decode `steps` tokens (teacher-forced
     with the reference's tokens), returning our logits per step. ``inspect`` sees the
     loaded model first (to hook it)."""
@@ -32,11 +33,11 @@ def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int,
     if inspect is not None:
         inspect(loaded.model)
     cfg = loaded.config
-    bm = BlockManager(64, BLOCK)
-    kv = allocate_kv_cache(cfg.num_layers, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+    bm = BlockManager(64, block)
+    kv = allocate_kv_cache(cfg.num_layers, 64, block, cfg.num_kv_heads, cfg.head_dim,
                            torch.float32, torch.device("cpu"))
     forward = ModelForward(loaded.model, kv)
-    inputs = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32)
+    inputs = InputBuilder(block, bm.pad_block_id, torch.device("cpu"), torch.float32)
     seqs = [Sequence(i, str(i), 0, p, SamplingParams(), 0.0) for i, p in enumerate(prompts)]
     for s in seqs:
         bm.allocate(s)
@@ -74,12 +75,15 @@ def test_logits_match_transformers(tiny_model_factory, kwargs) -> None:
 
 
 def assert_logits_match(folder: str, hf_model: torch.nn.Module,
-                        inspect: Callable[[torch.nn.Module], object] | None = None) -> None:
+                        inspect: Callable[[torch.nn.Module], object] | None = None,
+                        prompt_lens: tuple[int, ...] = PROMPT_LENS, steps: int = 6,
+                        block: int = BLOCK) -> None:
     """Our logits equal transformers' at every prefill and decode step of four prompts."""
     gen = torch.Generator().manual_seed(1)
     vocab = hf_model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    seqs, ours = run_prefill_then_decode(folder, prompts, steps=6, inspect=inspect)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
+    seqs, ours = run_prefill_then_decode(folder, prompts, steps=steps, inspect=inspect,
+                                         block=block)
     for row, seq in enumerate(seqs):
         ids = torch.tensor([seq.all_token_ids])
         with torch.no_grad():

@@ -12,10 +12,16 @@ from transformers import GenerationConfig
 NEW_TOKENS = 12
 
 
+# Gemma 3 with an 8-token window: its 23 tokens cross it in the sliding layers
+WINDOWS = {"gemma3_text": 8}
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "granite", "phi3", "mixtral", "qwen3_moe",
-                                        "gemma2"])
+                                        "gemma2", "gemma3_text"])
 def test_architecture_served_over_http(tiny_model_factory, model_type: str) -> None:
-    folder, hf_model, hf_tokenizer = tiny_model_factory(model_type=model_type, tie=True)
+    window = {"sliding_window": WINDOWS[model_type]} if model_type in WINDOWS else {}
+    folder, hf_model, hf_tokenizer = tiny_model_factory(model_type=model_type, tie=True,
+                                                        **window)
     prompt = torch.randint(3, hf_model.config.vocab_size, (11,),
                            generator=torch.Generator().manual_seed(3)).tolist()
     server = start_server(folder, *TINY_FLAGS)

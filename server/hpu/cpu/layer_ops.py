@@ -24,9 +24,12 @@ class FusedCpuLayerOps(TorchLayerOps):
     decode_layout = "block_tables"
     dtypes = (torch.float32, torch.bfloat16)  # what the kernels are compiled for
 
-    def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None) -> bool:
-        # the kernels read K/V blocks in place, in these dtypes only, and cap no scores
-        return kv_dtype in self.dtypes and attn_softcap is None
+    def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None,
+                  window: int | None = None, partial_rotary: bool = False) -> bool:
+        # the kernels read K/V blocks in place, in these dtypes only, cap no scores, mask
+        # no window and rotate whole heads
+        return (kv_dtype in self.dtypes and attn_softcap is None and window is None
+                and not partial_rotary)
 
     def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
         """Keys transposed within each block, ``[blocks, Hkv, D, B]`` (see the kernels'
@@ -44,10 +47,14 @@ class FusedCpuLayerOps(TorchLayerOps):
         self._argmax = ops.argmax.default
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dtype != x.dtype:  # Gemma's float32 weights: the kernel takes one dtype
+            return super().rms_norm(x, weight, eps)
         return self._rms_norm(x.contiguous(), weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight.dtype != x.dtype:
+            return super().add_rms_norm(x, residual, weight, eps)
         residual = residual.contiguous()  # updated in place: the caller's copy is the stream
         return self._add_rms_norm(residual, x.contiguous(), weight, eps), residual
 
@@ -73,7 +80,10 @@ class FusedCpuLayerOps(TorchLayerOps):
 
     def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
-                         softcap: float | None = None) -> torch.Tensor:
+                         softcap: float | None = None, window: int | None = None
+                         ) -> torch.Tensor:
+        # A window reaches here only when it covers the whole served context (can_serve()
+        # sends narrower ones to PyTorch ops): the kernel's full attention equals it.
         assert softcap is None, "can_serve() sends soft-capped models to PyTorch ops"
         # after a cached prefix the kernel reads it from the cache, however long (measured
         # on SmolLM2 with a 1,000-token prefix: 1.35 s per hit, against 1.7 s for PyTorch's
@@ -84,7 +94,8 @@ class FusedCpuLayerOps(TorchLayerOps):
         return self.decode_attention(query, kv_cache, meta, scale)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                         scale: float, softcap: float | None = None) -> torch.Tensor:
+                         scale: float, softcap: float | None = None, window: int | None = None
+                         ) -> torch.Tensor:
         assert softcap is None and meta.block_tables is not None and meta.seq_lens is not None
         return self._attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
                                meta.seq_lens, scale)
