@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from server.hpu.distributed import SINGLE, ParallelContext
 from server.models.config import ModelConfig
 from server.models.gguf import (
     ROPE_FREQ_FACTORS,
@@ -32,6 +33,7 @@ from server.models.gguf import (
 from server.models.llama import LlamaForCausalLM
 from server.models.quantized import dequantized
 from server.models.rotary import RotaryEmbedding
+from server.models.tensor_parallel import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -122,14 +124,17 @@ class LoadedModel:
     seconds: float
 
 
-def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedModel:
-    """Builds the model on the meta device, then fills it from the checkpoint."""
+def load_model(source: ModelSource, dtype: str, device: torch.device,
+               parallel: ParallelContext = SINGLE) -> LoadedModel:
+    """Builds the model on the meta device, then fills it from the checkpoint; under
+    tensor parallelism with this rank's slices only (``LoadedModel.config`` is then the
+    rank's: its share of the heads and MLP widths, see tensor_parallel.py)."""
     start = time.monotonic()
     reader = _gguf_reader(source) if source.is_gguf else None
-    cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
-    torch_dtype = resolve_dtype(dtype, cfg, source, device.type)
+    full_cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
+    torch_dtype = resolve_dtype(dtype, full_cfg, source, device.type)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model, cfg, plan = build_model(full_cfg, parallel)
     model.to_empty(device=device)
     model.to(torch_dtype)
     # RoPE tables are buffers computed at init (in float32): build them for real.
@@ -138,9 +143,12 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     ).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    tensors = dequantized_tensors(reader, cfg) if reader is not None else _safetensors(source)
+    tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
+               else _safetensors(source))
     if cfg.quant is not None:
         tensors = dequantized(tensors, cfg.quant)
+    if plan is not None:
+        tensors = plan.shard(tensors)
     _load_into(model, tensors)
     model.eval()
     params = {id(p): p for p in model.parameters()}.values()
@@ -152,6 +160,13 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
         source.name, num_params / 1e6, str(torch_dtype).replace("torch.", ""), device,
         num_bytes / 2**20, seconds, _quant_summary(cfg),
     )
+    if plan is not None:
+        logger.info("Tensor-parallel rank %d/%d: %.1f MiB of weights, %d of %d query heads, "
+                    "%d of %d KV heads (each on %d rank(s)), vocabulary rows %d-%d",
+                    parallel.rank, parallel.world_size, num_bytes / 2**20, plan.q_heads,
+                    full_cfg.num_heads, plan.kv_heads, full_cfg.num_kv_heads,
+                    plan.kv_replicas, plan.vocab_start,
+                    plan.vocab_start + plan.vocab_per_rank - 1)
     return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds)
 
 
