@@ -25,12 +25,14 @@ class CommStats:
     device collective needs a synchronisation that serving should not pay)."""
 
     enabled: bool = False
-    seconds: float = 0.0
+    seconds: float = 0.0  # all-reduces and gathers inside the forward
     calls: int = 0
+    broadcast_seconds: float = 0.0  # rank 0's step orders (broadcast_object)
 
     def reset(self) -> None:
         self.seconds = 0.0
         self.calls = 0
+        self.broadcast_seconds = 0.0
 
 
 @dataclass(slots=True)
@@ -84,7 +86,10 @@ class ParallelContext:
         if self.world_size == 1:
             return obj
         box = [obj if self.is_driver else None]
+        start = self._start()
         dist.broadcast_object_list(box, src=0, group=self.group, device=self._object_device())
+        if self.stats.enabled:
+            self.stats.broadcast_seconds += time.perf_counter() - start
         return box[0]
 
     def _object_device(self) -> torch.device | None:
