@@ -223,8 +223,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, parent_pid: int) -> 
         _serve_rank(config, rank, port)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
-        os._exit(1)
-    os._exit(0)  # skip interpreter teardown: the process group is gone already
+        os._exit(1)  # skip a teardown that could wait on the broken process group
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -68,8 +68,9 @@ def generate(model: str | None, tp: int, prompts: list[str], max_tokens: int,
 
 def assert_same(reference: tuple, parallel: tuple, atol: float = 1e-4,
                 rtol: float = 1e-5) -> None:
-    """Identical tokens; logits within ``atol + rtol * |logit|``. The relative part is
-    float32 summation order: a row-parallel matmul sums its inner dimension in N pieces
+    """Identical tokens; logits within ``atol + rtol * max |logit of the row|``. The
+    relative part is float32 summation order, whose error scales with the hidden state
+    rather than with each logit: a row-parallel matmul sums its inner dimension in N pieces
     plus an all-reduce, one matmul sums it whole. On SmolLM2 (logits up to ~46) the
     largest gap measured is 1.4e-4 (3e-6 relative); an all-reduce in float64 only took
     it to 1.1e-4, so the pieces' own rounding is what differs."""
@@ -78,7 +79,8 @@ def assert_same(reference: tuple, parallel: tuple, atol: float = 1e-4,
     assert tp_tokens == ref_tokens
     assert len(tp_logits) == len(ref_logits)
     for step, (a, b) in enumerate(zip(ref_logits, tp_logits)):
-        excess = ((a - b).abs() - (atol + rtol * a.abs())).max().item()
+        bound = atol + rtol * a.abs().amax(dim=-1, keepdim=True)
+        excess = ((a - b).abs() - bound).max().item()
         assert excess <= 0, f"step {step}: logits differ by {(a - b).abs().max().item()}"
 
 
