@@ -9,7 +9,6 @@ untouched, so single-device serving runs exactly the code it ran before.
 from __future__ import annotations
 
 import datetime
-import pickle
 import socket
 import time
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -146,7 +145,3 @@ def tensors_to(obj: Any, device: torch.device) -> Any:
         return type(obj)(tensors_to(x, device) for x in obj)
     return obj
 
-
-def pickled_size(obj: Any) -> int:
-    """Bytes ``obj`` takes on the wire (for the broadcast cost note in the benchmark)."""
-    return len(pickle.dumps(obj))
