@@ -138,3 +138,10 @@ def test_health_turns_503_within_5_s_of_a_worker_death(tiny_model_factory) -> No
         assert time.monotonic() - start < 5.0
         assert died and "rank 1" in str(died[0])
     assert not executor.workers[0].is_alive()
+
+
+def test_workers_exit_when_the_server_is_killed(tp_server) -> None:
+    pids = worker_pids(tp_server)
+    tp_server.proc.kill()  # SIGKILL: no shutdown code runs in rank 0
+    tp_server.proc.wait(timeout=10)
+    assert wait_gone(pids, timeout=10) == []

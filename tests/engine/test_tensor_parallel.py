@@ -139,3 +139,14 @@ def test_shard_plan_kv_heads_and_vocab(tiny_model_factory) -> None:
 def test_ray_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="ray is not supported"):
         make_engine_config(distributed_executor_backend="ray", tensor_parallel_size=2)
+
+
+def test_tensor_parallel_flags() -> None:
+    from server.cli import build_parser
+    from server.config import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "-tp", "4", "--distributed-executor-backend",
+                                      "mp"])
+    parallel = engine_config_from_args(args, {}).parallel
+    assert (parallel.tensor_parallel_size, parallel.distributed_executor_backend) == (4, "mp")
+    assert make_engine_config(environ={}).parallel.tensor_parallel_size == 1
