@@ -119,10 +119,9 @@ class MultiprocExecutor:
                           name=f"hpu-serve-tp{rank}")
             for rank in range(1, self.world_size)
         ]
-        for worker in self.workers:
+        for rank, worker in enumerate(self.workers, start=1):
             worker.start()
-            logger.info("Tensor-parallel worker rank %d started (pid %d)",
-                        self.workers.index(worker) + 1, worker.pid)
+            logger.info("Tensor-parallel worker rank %d started (pid %d)", rank, worker.pid)
         atexit.register(self.kill)  # never leave a worker behind, whatever happens
         try:
             platform.prepare_rank(0, self.world_size)
@@ -198,6 +197,7 @@ class MultiprocExecutor:
         for worker in self.workers:
             worker.join(max(0.0, deadline - time.monotonic()))
         self.kill()
+        atexit.unregister(self.kill)
         if self.fault is None:
             close_parallel(self.parallel)
         logger.info("Tensor-parallel workers stopped")
