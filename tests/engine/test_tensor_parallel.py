@@ -46,8 +46,10 @@ class RecordingSampler:
 
 
 def generate(model: str | None, tp: int, prompts: list[str], max_tokens: int,
-             **options: object) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """(greedy tokens per prompt, logits per step) at tensor-parallel size ``tp``."""
+             stats: list | None = None, **options: object
+             ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """(greedy tokens per prompt, logits per step) at tensor-parallel size ``tp``; the
+    engine's final stats are appended to ``stats``."""
     engine = LLMEngine(make_engine_config(model=model, dtype="float32",
                                           tensor_parallel_size=tp, **options))
     try:
@@ -61,6 +63,8 @@ def generate(model: str | None, tp: int, prompts: list[str], max_tokens: int,
         while engine.has_unfinished_requests():
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        if stats is not None:
+            stats.append(engine.stats())
         return [tokens[f"r{i}"] for i in range(len(prompts))], recorder.logits
     finally:
         engine.shutdown()
@@ -150,3 +154,17 @@ def test_tensor_parallel_flags() -> None:
     parallel = engine_config_from_args(args, {}).parallel
     assert (parallel.tensor_parallel_size, parallel.distributed_executor_backend) == (4, "mp")
     assert make_engine_config(environ={}).parallel.tensor_parallel_size == 1
+
+
+def test_prefix_caching_under_tp2(tiny_model_factory) -> None:
+    # cached-prefix prefills carry context tables: broadcast like any other input
+    folder, _, _ = tiny_model_factory(num_kv_heads=1)
+    shared = "the quick brown fox jumps over the lazy dog " * 4
+    prompts = [shared + p for p in PROMPTS[:4]]
+    one_at_a_time = {**SMALL, "max_num_seqs": 1}  # later prompts find the first's blocks
+    reference = generate(folder, 1, prompts, 12, **one_at_a_time)
+    stats: list = []
+    parallel = generate(folder, 2, prompts, 12, stats, enable_prefix_caching=True,
+                        **one_at_a_time)
+    assert parallel[0] == reference[0]
+    assert stats[0].prefix_cache_hits > 0
