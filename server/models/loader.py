@@ -143,12 +143,15 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     ).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
-               else _safetensors(source))
-    if cfg.quant is not None:
-        tensors = dequantized(tensors, cfg.quant)
-    if plan is not None:
-        tensors = plan.shard(tensors)
+    if plan is not None and reader is None and cfg.quant is None:
+        tensors = plan.read(_safetensor_slices(source))  # only the rank's bytes are read
+    else:
+        tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
+                   else _safetensors(source))
+        if cfg.quant is not None:
+            tensors = dequantized(tensors, cfg.quant)
+        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes)
+            tensors = plan.shard(tensors)
     _load_into(model, tensors)
     model.eval()
     params = {id(p): p for p in model.parameters()}.values()
@@ -312,6 +315,17 @@ def _safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     keys = [(h, k) for h in handles for k in h.keys()]
     for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", leave=False):
         yield key, handle.get_tensor(key)
+
+
+def _safetensor_slices(source: ModelSource) -> Iterator[tuple[str, object]]:
+    """Like ``_safetensors`` but lazily indexable tensors (``get_slice``)."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(Path(source.folder))
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    keys = [(h, k) for h in handles for k in h.keys()]
+    for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", leave=False):
+        yield key, handle.get_slice(key)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -22,8 +22,9 @@ rank ever holds the full model.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,62 +111,96 @@ class ShardPlan:
         for name, tensor in tensors:
             yield name, self.slice(name, tensor)
 
+    def read(self, slices: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's slices read straight from lazily indexed checkpoint tensors
+        (safetensors' ``get_slice``: only the bytes of the slice are read)."""
+        for name, lazy in slices:
+            shape = tuple(lazy.get_shape())
+            cut = self.cut(name, shape)
+            if cut.zero or not cut.ranges or any(n == 0 for _, n in cut.ranges):
+                yield name, self.slice(name, lazy[:])  # whole, tiny, or nothing to take
+            else:
+                yield name, _apply(cut, shape, lambda index: lazy[index])
+
     def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of one checkpoint tensor (Hugging Face name)."""
+        """This rank's part of one whole checkpoint tensor (Hugging Face name)."""
+        cut = self.cut(name, tuple(tensor.shape))
+        if cut.zero:
+            return torch.zeros_like(tensor)
+        if not cut.ranges:
+            return tensor
+        return _apply(cut, tuple(tensor.shape), lambda index: tensor[index])
+
+    def cut(self, name: str, shape: tuple[int, ...]) -> Cut:
+        """Which part of the checkpoint tensor ``name`` of ``shape`` this rank keeps."""
         cfg = self.config
+        r = self.rank
         d = cfg.head_dim
-        q_rows = (self.rank * self.q_heads * d, self.q_heads * d)
-        kv_rows = (self.first_kv_head * d, self.kv_heads * d)
+        q_rows = (r * self.q_heads * d, self.q_heads * d)
+        kv_start, kv_len = self.first_kv_head * d, self.kv_heads * d
         inter = cfg.intermediate_size // self.world_size
         moe = cfg.moe_intermediate_size // self.world_size
         if _EXPERT_IN.search(name):
-            return self._part(tensor, 0, self.rank * moe, moe)
+            return Cut(0, ((r * moe, moe),))
         if _EXPERT_OUT.search(name):
-            return self._part(tensor, 1, self.rank * moe, moe)
+            return Cut(1, ((r * moe, moe),))
         if _STACKED_GATE_UP.search(name):  # [E, 2I, H]: gate rows then up rows
-            gate, up = tensor.chunk(2, dim=1)
-            return torch.cat([self._part(gate, 1, self.rank * moe, moe),
-                              self._part(up, 1, self.rank * moe, moe)], dim=1)
+            half = shape[1] // 2
+            return Cut(1, ((r * moe, moe), (half + r * moe, moe)))
         if _STACKED_DOWN.search(name):  # [E, H, I]
-            return self._part(tensor, 2, self.rank * moe, moe)
+            return Cut(2, ((r * moe, moe),))
         if _Q.search(name):
-            return self._part(tensor, 0, *q_rows)
+            return Cut(0, (q_rows,))
         if _KV.search(name):
-            return self._part(tensor, 0, *kv_rows)
+            return Cut(0, ((kv_start, kv_len),))
         if _FUSED_QKV.search(name):  # Phi-3 ships q, k, v fused
-            q, k, v = tensor.split([cfg.num_heads * d, cfg.num_kv_heads * d,
-                                    cfg.num_kv_heads * d], dim=0)
-            return torch.cat([self._part(q, 0, *q_rows), self._part(k, 0, *kv_rows),
-                              self._part(v, 0, *kv_rows)], dim=0)
+            q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
+            return Cut(0, (q_rows, (q_all + kv_start, kv_len),
+                           (q_all + kv_all + kv_start, kv_len)))
         if _GATE_UP.search(name):
-            return self._part(tensor, 0, self.rank * inter, inter)
+            return Cut(0, ((r * inter, inter),))
         if _FUSED_GATE_UP.search(name):  # Phi-3: gate then up
-            gate, up = tensor.chunk(2, dim=0)
-            return torch.cat([self._part(gate, 0, self.rank * inter, inter),
-                              self._part(up, 0, self.rank * inter, inter)], dim=0)
+            half = shape[0] // 2
+            return Cut(0, ((r * inter, inter), (half + r * inter, inter)))
         if _O_WEIGHT.search(name):
-            return self._part(tensor, 1, *q_rows)
+            return Cut(1, (q_rows,))
         if _DOWN_WEIGHT.search(name):
-            return self._part(tensor, 1, self.rank * inter, inter)
+            return Cut(1, ((r * inter, inter),))
         if _ROW_BIAS.search(name):  # summed by the all-reduce: added by rank 0 only
-            return tensor.clone() if self.rank == 0 else torch.zeros_like(tensor)
+            return Cut(zero=r != 0)
         if _VOCAB.search(name):
-            return self._vocab_rows(tensor)
-        return tensor  # replicated: norms, the router, RoPE factors
+            # rows [start, start + V/N), zero-padded past the vocabulary's end (padded ids
+            # never occur and their logits are cut off)
+            per, start = self.vocab_per_rank, self.vocab_start
+            return Cut(0, ((start, max(0, min(per, shape[0] - start))),), pad_to=per)
+        return Cut()  # replicated: norms, the router, RoPE factors
 
-    def _part(self, tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-        return tensor.narrow(dim, start, length).clone()
 
-    def _vocab_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rows ``[start, start + V/N)`` of an embedding or LM head, zero-padded past the
-        vocabulary's end (the padded ids never occur and their logits are cut off)."""
-        per = self.vocab_per_rank
-        start = self.vocab_start
-        out = tensor.new_zeros((per, *tensor.shape[1:]))
-        real = max(0, min(per, tensor.shape[0] - start))
-        if real:
-            out[:real] = tensor[start:start + real]
-        return out
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """A rank's part of a checkpoint tensor: ``ranges`` (start, length) along ``dim``,
+    concatenated, zero-padded along ``dim`` to ``pad_to``; no ranges: the whole tensor;
+    ``zero``: zeros of its shape."""
+
+    dim: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    pad_to: int | None = None
+    zero: bool = False
+
+
+def _apply(cut: Cut, shape: tuple[int, ...], read: Callable[[tuple[slice, ...]], torch.Tensor]
+           ) -> torch.Tensor:
+    pieces = []
+    for start, length in cut.ranges:
+        index = [slice(None)] * len(shape)
+        index[cut.dim] = slice(start, start + length)
+        pieces.append(read(tuple(index)))
+    out = torch.cat(pieces, dim=cut.dim) if len(pieces) > 1 else pieces[0].clone()
+    if cut.pad_to is not None and out.shape[cut.dim] < cut.pad_to:
+        pad = list(out.shape)
+        pad[cut.dim] = cut.pad_to - out.shape[cut.dim]
+        out = torch.cat([out, out.new_zeros(pad)], dim=cut.dim)
+    return out
 
 
 _EXPERT_IN = re.compile(r"\.experts\.\d+\.(w1|w3|gate_proj|up_proj)\.weight$")

@@ -168,3 +168,34 @@ def test_prefix_caching_under_tp2(tiny_model_factory) -> None:
                         **one_at_a_time)
     assert parallel[0] == reference[0]
     assert stats[0].prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("kind", [dict(model_type="phi3"), dict(model_type="qwen3_moe"),
+                                  dict(num_kv_heads=1, tie=False)])
+def test_lazy_slices_equal_cut_whole_tensors(tiny_model_factory, kind: dict) -> None:
+    # safetensors checkpoints are read slice by slice; the same cut of whole tensors is the
+    # reference (GGUF and quantized checkpoints go that way)
+    from safetensors import safe_open
+
+    from server.models.loader import load_model_config
+
+    source = resolve_model_source(tiny_model_factory(**kind)[0])
+    cfg = load_model_config(source)
+    path = f"{source.folder}/model.safetensors"
+    for world in (2, 4):
+        for rank in range(world):
+            plan = ShardPlan.build(cfg, rank, world)
+            with safe_open(path, framework="pt") as f:
+                keys = list(f.keys())
+                lazy = dict(plan.read((k, f.get_slice(k)) for k in keys))
+                whole = dict(plan.shard((k, f.get_tensor(k)) for k in keys))
+            assert lazy.keys() == whole.keys()
+            for key in keys:
+                assert torch.equal(lazy[key], whole[key]), (world, rank, key)
+
+
+def test_fused_checkpoint_tp2_matches_tp1(tiny_model_factory) -> None:
+    # Phi-3 ships qkv_proj and gate_up_proj fused: each section is cut on its own
+    folder, _, _ = tiny_model_factory(model_type="phi3")
+    assert_same(generate(folder, 1, PROMPTS, 16, **SMALL),
+                generate(folder, 2, PROMPTS, 16, **SMALL))
