@@ -175,8 +175,9 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join, 30)
-        if self._engine is not None:  # the loop has ended: stop the other ranks too
-            await asyncio.to_thread(self._engine.shutdown)
+        if self._engine is not None:  # stop the other ranks too: with orders only if the
+            # loop has ended (a stuck loop may be inside a collective)
+            await asyncio.to_thread(self._engine.shutdown, not self._thread.is_alive())
 
     def _fault(self, exc: BaseException) -> None:
         """A part of the engine outside its thread died (a tensor-parallel worker): the

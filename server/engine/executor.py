@@ -182,13 +182,13 @@ class MultiprocExecutor:
         for listener in list(self._fault_listeners):
             listener(fault)
 
-    def shutdown(self) -> None:
-        """Stops every worker: a stop order when all are alive and idle (the engine loop
-        has ended), a kill for any that does not exit within a grace period."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops every worker: a stop order when ``graceful`` and all are alive and idle
+        (no step is running), a kill for any that does not exit within a grace period."""
         if self._stopping:
             return
         self._stopping = True
-        if all(w.is_alive() for w in self.workers) and self.fault is None:
+        if graceful and all(w.is_alive() for w in self.workers) and self.fault is None:
             try:
                 self.parallel.broadcast_object(_STOP)
             except Exception:  # noqa: BLE001 - the kill below still ends them
@@ -198,7 +198,7 @@ class MultiprocExecutor:
             worker.join(max(0.0, deadline - time.monotonic()))
         self.kill()
         atexit.unregister(self.kill)
-        if self.fault is None:
+        if graceful and self.fault is None:  # else a collective may still hold the group
             close_parallel(self.parallel)
         logger.info("Tensor-parallel workers stopped")
 

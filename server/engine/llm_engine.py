@@ -280,10 +280,11 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.on_fault(listener)
 
-    def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks (once the engine loop has ended)."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops the other tensor-parallel ranks: told to stop when ``graceful`` (call it
+        once no step runs), else killed."""
         if self.executor is not None:
-            self.executor.shutdown()
+            self.executor.shutdown(graceful)
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix; the number of blocks that were named."""
