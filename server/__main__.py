@@ -4,4 +4,5 @@ import sys
 
 from server.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # tensor-parallel workers are spawned: they re-import this
+    sys.exit(main())

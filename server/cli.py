@@ -115,6 +115,8 @@ def serve(args: argparse.Namespace) -> int:
         http.stop()
 
     engine.on_dead = engine_died
+    if engine.dead_reason is not None:  # died before anyone listened (a TP worker, say)
+        engine_died(engine.dead_reason)
     logger.info("serving %s on http://%s:%d", engine.model_name, server_cfg.host,
                 server_cfg.port)
     http.run()

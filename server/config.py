@@ -203,6 +203,28 @@ def _optional_int(env: Mapping[str, str], name: str) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How the model is split over devices (``--tensor-parallel-size``): one process per
+    rank on this host, rank 0 being the server itself."""
+
+    tensor_parallel_size: int = 1
+    # "mp": worker processes on this host (vLLM's name); "ray" is not implemented yet
+    distributed_executor_backend: str = "mp"
+    # seconds a collective may wait for a rank before failing (start-up included: a rank
+    # that compiles its graphs keeps the others waiting that long)
+    collective_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("--distributed-executor-backend ray is not supported yet: "
+                             "use mp (worker processes on this host)")
+        if self.distributed_executor_backend != "mp":
+            raise ValueError("--distributed-executor-backend must be mp")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once and passed down."""
 
@@ -212,6 +234,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # What start-up builds once and reuses on restarts: the fused CPU kernels and GGUF
     # tokenizers converted to Hugging Face files (HPU_SERVE_CACHE_DIR; None: the default
     # ~/.cache/hpu-serve, or a temp dir where that is not writable).
@@ -271,6 +294,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--execution-mode", default="auto",
                         choices=["auto", "eager", "compile", "graphs"],
                         help="auto: HPU/CUDA graphs on accelerators, eager on CPU")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split every layer over this many devices of this host, one "
+                             "process per rank (torch.distributed: hccl on Gaudi, nccl on "
+                             "CUDA, gloo on CPU)")
+    parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                        help="how the ranks run: mp (worker processes on this host); ray is "
+                             "not implemented yet")
 
 
 def engine_config_from_args(
@@ -314,6 +344,11 @@ def engine_config_from_args(
             decode_strategy=env.get("VLLM_GRAPH_DECODE_STRATEGY", "max_bs"),
         ),
         bucketing=bucketing_config_from_env(env),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            collective_timeout=_float(env, "HPU_SERVE_COLLECTIVE_TIMEOUT", 600.0),
+        ),
         cache_dir=env.get("HPU_SERVE_CACHE_DIR") or None,
     )
 

@@ -121,6 +121,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self._engine = self.call(engine_factory)
+        self._engine.on_fault(self._fault)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -174,6 +175,21 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join, 30)
+        if self._engine is not None:  # stop the other ranks too: with orders only if the
+            # loop has ended (a stuck loop may be inside a collective)
+            await asyncio.to_thread(self._engine.shutdown, not self._thread.is_alive())
+
+    def _fault(self, exc: BaseException) -> None:
+        """A part of the engine outside its thread died (a tensor-parallel worker): the
+        engine is dead now, whatever its loop is doing (from the executor's monitor)."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = exc
+        self._stopping = True
+        self._commands.put(Stop())
+        self._fail_all(EngineDeadError(f"engine died: {exc!r}"))
+        if self.on_dead is not None:
+            self.on_dead(exc)
 
     async def submit(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None

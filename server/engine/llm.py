@@ -33,6 +33,11 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 - server.engine.tokenizer.Tokenizer
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stops the other ranks of ``tensor_parallel_size > 1`` (else nothing to do; they
+        are killed at interpreter exit otherwise)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],

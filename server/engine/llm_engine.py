@@ -6,6 +6,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from server.cache_dir import writable_cache_dir
 from server.config import EngineConfig, ExecutionMode
 from server.engine.block_manager import BlockManager
 from server.engine.errors import EngineFaultError, RequestError
+from server.engine.executor import MultiprocExecutor
 from server.engine.input_processor import InputProcessor
 from server.engine.model_runner import ModelRunner, ModelRunnerOutput
 from server.engine.output_processor import OutputProcessor, ProcessedStep, RequestState
@@ -24,7 +26,8 @@ from server.engine.sequence import ScheduledBatch, Sequence
 from server.engine.structured_outputs import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
 from server.hpu.counters import DeviceCounters
-from server.hpu.platform import detect_platform
+from server.hpu.distributed import SINGLE
+from server.hpu.platform import Platform, detect_platform
 from server.models.loader import (
     load_int4_weights,
     load_model,
@@ -64,6 +67,19 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         platform = detect_platform(config.device.device)
         platform.prepare_process()
+        # --tensor-parallel-size: the other ranks start first and load alongside this one
+        self.executor: MultiprocExecutor | None = None
+        if config.parallel.tensor_parallel_size > 1:
+            self.executor = MultiprocExecutor(config, platform)
+        try:
+            self._build(config, platform)
+        except BaseException:
+            if self.executor is not None:  # workers may sit in a collective: no orders
+                self.executor.kill()
+            raise
+
+    def _build(self, config: EngineConfig, platform: Platform) -> None:
+        parallel = self.executor.parallel if self.executor is not None else SINGLE
         source = resolve_model_source(config.model.model)
         quantization = config.model.quantization
         if quantization == "gguf" and not source.is_gguf:
@@ -74,7 +90,7 @@ class LLMEngine:
             if quantization != found:
                 raise ValueError(f"--quantization {quantization}: the checkpoint is {found} "
                                  "(config.json's quantization_config)")
-        loaded = load_model(source, config.model.dtype, platform.device)
+        loaded = load_model(source, config.model.dtype, platform.device, parallel)
         cache_dir = writable_cache_dir(config.cache_dir)
         self.model_name = config.model.served_model_name or source.name
         self.model_config = loaded.config
@@ -89,11 +105,15 @@ class LLMEngine:
         self.limits = SchedulerLimits.resolve(config.scheduler,
                                               loaded.config.max_position_embeddings,
                                               context_prefill_alone=static)
-        # A GGUF's own 4-bit codes, read only if the platform serves from them.
+        # A GGUF's own 4-bit codes, read only if the platform serves from them (whole
+        # matrices: not under tensor parallelism, whose ranks hold slices).
         int4_weights = (functools.partial(load_int4_weights, source, loaded.config)
-                        if source.is_gguf and quantization != "none" else None)
+                        if source.is_gguf and quantization != "none"
+                        and parallel.world_size == 1 else None)
         self.runner = ModelRunner(config, platform, loaded, self.limits, self.eos_token_ids,
-                                  self.model_name, cache_dir, int4_weights)
+                                  self.model_name, cache_dir, int4_weights, parallel)
+        if self.executor is not None:
+            self.runner.graphs = self.executor.driver_runner(self.runner.graphs)
         block_size = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
@@ -263,6 +283,17 @@ class LLMEngine:
             bm.num_blocks, bm.usage, self.scheduler.num_preemptions,
             bm.stats.queries, bm.stats.hits,
         )
+
+    def on_fault(self, listener: Callable[[BaseException], None]) -> None:
+        """Calls ``listener`` (from another thread) when a tensor-parallel worker dies."""
+        if self.executor is not None:
+            self.executor.on_fault(listener)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops the other tensor-parallel ranks: told to stop when ``graceful`` (call it
+        once no step runs), else killed."""
+        if self.executor is not None:
+            self.executor.shutdown(graceful)
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix; the number of blocks that were named."""

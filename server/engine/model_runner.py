@@ -26,6 +26,7 @@ from server.engine.scheduler import SchedulerLimits
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.hpu.bucketing import decode_buckets, format_plan, prompt_buckets, resolve_ranges
 from server.hpu.counters import DeviceCounters
+from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ForwardInputs
 from server.hpu.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
 from server.hpu.layer_ops import TorchLayerOps
@@ -68,7 +69,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform, loaded: LoadedModel,
                  limits: SchedulerLimits, eos_token_ids: frozenset[int], model_name: str,
                  cache_dir: Path,
-                 int4_weights: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 int4_weights: Callable[[], Mapping[str, Any]] | None = None,
+                 parallel: ParallelContext = SINGLE) -> None:
         self.platform = platform
         self.model = loaded.model
         self.dtype = loaded.dtype
@@ -93,7 +95,8 @@ class ModelRunner:
             ops = TorchLayerOps()
         loaded.model.serve_context(limits.max_model_len)
         loaded.model.use_ops(ops)
-        self.num_blocks = self._num_blocks(config, loaded, limits)
+        # every rank must hold the same blocks (rank 0's block tables address them all)
+        self.num_blocks = parallel.min_int(self._num_blocks(config, loaded, limits))
         self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
             cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
             self.kv_dtype, platform.device))

@@ -145,6 +145,14 @@ class HpuPlatform(Platform):
         free, total = torch.hpu.mem_get_info()  # type: ignore[attr-defined]
         return int(free), int(total)
 
+    def prepare_rank(self, rank: int, world_size: int) -> None:
+        # The HCCL backend of torch.distributed exists once this module is imported. Each
+        # process is given its own module by the runtime (HABANA_VISIBLE_MODULES limits
+        # which): the device stays plain "hpu", as vLLM Gaudi's workers use it.
+        del rank
+        if world_size > 1:
+            import habana_frameworks.torch.distributed.hccl  # noqa: F401
+
     def resolve_mode(self, cfg: DeviceConfig) -> ExecutionMode:
         # Graphs vs compile follows the bridge's mode, not the flag, as in the reference.
         if cfg.enforce_eager or cfg.execution_mode is ExecutionMode.EAGER:

@@ -65,6 +65,16 @@ class Platform:
     def prepare_process(self) -> None:
         """Process-wide settings wanted before the model is loaded."""
 
+    def prepare_rank(self, rank: int, world_size: int) -> None:
+        """Tensor parallelism: this process serves rank ``rank`` of ``world_size`` on this
+        host. An accelerator takes the rank's own device (one device per rank)."""
+        if world_size == 1 or self.device.type == "cpu":
+            return
+        self.device = torch.device(self.device.type, rank)
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and hasattr(accelerator, "set_device_index"):
+            accelerator.set_device_index(rank)
+
     def resolve_mode(self, cfg: DeviceConfig) -> ExecutionMode:
         """The execution mode to run: ``--enforce-eager`` wins, ``auto`` is the default."""
         if cfg.enforce_eager:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from server.hpu.distributed import SINGLE, ParallelContext
 from server.models.config import ModelConfig
 from server.models.gguf import (
     INT4_TYPES,
@@ -34,6 +35,7 @@ from server.models.gguf import (
 )
 from server.models.llama import LlamaForCausalLM
 from server.models.quantized import dequantized
+from server.models.tensor_parallel import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +126,17 @@ class LoadedModel:
     seconds: float
 
 
-def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedModel:
-    """Builds the model on the meta device, then fills it from the checkpoint."""
+def load_model(source: ModelSource, dtype: str, device: torch.device,
+               parallel: ParallelContext = SINGLE) -> LoadedModel:
+    """Builds the model on the meta device, then fills it from the checkpoint; under
+    tensor parallelism with this rank's slices only (``LoadedModel.config`` is then the
+    rank's: its share of the heads and MLP widths, see tensor_parallel.py)."""
     start = time.monotonic()
     reader = _gguf_reader(source) if source.is_gguf else None
-    cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
-    torch_dtype = resolve_dtype(dtype, cfg, source, device.type)
+    full_cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
+    torch_dtype = resolve_dtype(dtype, full_cfg, source, device.type)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model, cfg, plan = build_model(full_cfg, parallel)
     model.to_empty(device=device)
     model.to(torch_dtype)
     if cfg.norm_offset:
@@ -140,9 +145,15 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    tensors = dequantized_tensors(reader, cfg) if reader is not None else _safetensors(source)
-    if cfg.quant is not None:
-        tensors = dequantized(tensors, cfg.quant)
+    if plan is not None and reader is None and cfg.quant is None:
+        tensors = plan.read(_safetensor_slices(source))  # only the rank's bytes are read
+    else:
+        tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
+                   else _safetensors(source))
+        if cfg.quant is not None:
+            tensors = dequantized(tensors, cfg.quant)
+        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes)
+            tensors = plan.shard(tensors)
     _load_into(model, tensors)
     model.eval()
     params = {id(p): p for p in model.parameters()}.values()
@@ -155,6 +166,13 @@ def load_model(source: ModelSource, dtype: str, device: torch.device) -> LoadedM
         num_bytes / 2**20, seconds,
         _gguf_summary(reader) if reader is not None else _quant_summary(cfg),
     )
+    if plan is not None:
+        logger.info("Tensor-parallel rank %d/%d: %.1f MiB of weights, %d of %d query heads, "
+                    "%d of %d KV heads (each on %d rank(s)), vocabulary rows %d-%d",
+                    parallel.rank, parallel.world_size, num_bytes / 2**20, plan.q_heads,
+                    full_cfg.num_heads, plan.kv_heads, full_cfg.num_kv_heads,
+                    plan.kv_replicas, plan.vocab_start,
+                    plan.vocab_start + plan.vocab_per_rank - 1)
     return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds)
 
 
@@ -312,6 +330,17 @@ def _safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     keys = [(h, k) for h in handles for k in h.keys()]
     for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", leave=False):
         yield key, handle.get_tensor(key)
+
+
+def _safetensor_slices(source: ModelSource) -> Iterator[tuple[str, object]]:
+    """Like ``_safetensors`` but lazily indexable tensors (``get_slice``)."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(Path(source.folder))
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    keys = [(h, k) for h in handles for k in h.keys()]
+    for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", leave=False):
+        yield key, handle.get_slice(key)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -31,6 +31,16 @@ class CpuPlatform(Platform):
 
         tune_host_allocator()  # activations live in host memory: keep pages mapped
 
+    def prepare_rank(self, rank: int, world_size: int) -> None:
+        # The ranks share the host's cores: without a split each would start one thread
+        # per core and they would all fight over them.
+        if world_size > 1:
+            import os
+
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+                os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // world_size))
+
     def prepare_model(self, model: torch.nn.Module, mode: ExecutionMode, cfg: DeviceConfig,
                       int4_weights: Callable[[], Mapping[str, Any]] | None,
                       cache_dir: Path) -> TorchLayerOps:
