@@ -2,8 +2,9 @@
 dequantized in gguf_tensors.py, the Q4_0 / Q4_1 / Q4_K weights kept as 4-bit codes in
 gguf_quants.py.
 
-Families follow llama.cpp's converter (convert_hf_to_gguf.py): "llama" (with expert tensors:
-Mixtral), "mistral", "qwen2", "qwen3", "qwen3moe", "granite", "phi3", "gemma2".
+Families follow llama.cpp's converter (convert_hf_to_gguf.py): "llama" (Mistral too; with
+expert tensors: Mixtral), "qwen2", "qwen3", "qwen3moe", "granite", "phi3" (Phi-4-mini's
+partial rotary included), "gemma2", "gemma3" (text).
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ class _Header:
     def __call__(self, key: str, default: Any = None) -> Any:
         return self.get(f"{self.arch}.{key}", default)
 
+    def values(self, key: str) -> list[Any] | None:
+        """Every element of an array key under the architecture's prefix (``get`` and the
+        call read the first only), None when absent."""
+        field = self.fields.get(f"{self.arch}.{key}")
+        if field is None:
+            return None
+        return [field.parts[i].item() for i in field.data]
+
 
 def gguf_model_config(reader: Any) -> ModelConfig:
     """Reads the llama.cpp metadata keys (``{arch}.block_count``...) of a GGUF file.
@@ -78,14 +87,12 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     family = gguf_architecture(h.arch, moe=int(h("expert_count", 0) or 0) > 0)
     num_heads = int(h("attention.head_count"))
     hidden = int(h("embedding_length"))
-    # Qwen3 and Gemma 2 write their (non hidden/heads) head size as the key length; older
-    # llama files only as the rotary size; Phi-3's rotary size is its partial share
+    # Qwen3 and Gemma 2/3 write their (non hidden/heads) head size as the key length; older
+    # llama files only as the rotary size; Phi-3's rotary size may be a partial share
     rope_dims = h("rope.dimension_count")
     head_dim = int(h("attention.key_length") or (
         rope_dims if rope_dims and family.model_type != "phi3" else hidden // num_heads))
-    if rope_dims and int(rope_dims) != head_dim:
-        raise ValueError(f"GGUF with partial rotary embeddings ({rope_dims} of {head_dim} "
-                         "dimensions) is not supported yet")
+    rotary_dim = _rotary_dim(family, rope_dims, head_dim)
     vocab = h("vocab_size") or len(h.fields["tokenizer.ggml.tokens"].data)
     eos = h.get("tokenizer.ggml.eos_token_id")
     fields: dict[str, Any] = dict(
@@ -99,7 +106,8 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(h("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(h("rope.freq_base", 10000.0)),
-        rope_scaling=_longrope(reader, h, names),
+        rope_scaling=_longrope(reader, h, names) or _linear_rope(h),
+        rotary_dim=rotary_dim,
         max_position_embeddings=int(h("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
@@ -139,13 +147,47 @@ def _moe_fields(h: _Header, names: set[str], family: Architecture, num_layers: i
     )
 
 
+def _rotary_dim(family: Architecture, rope_dims: Any, head_dim: int) -> int | None:
+    """RoPE over the first ``rope.dimension_count`` dims of each head (Phi-4-mini: 96 of
+    128), None for the whole head. Only where Q/K rows keep the Hugging Face layout: llama.cpp
+    rotates those NeoX-style (pairs i, i + n/2 of the first n dims), as transformers does;
+    a permuted family's partial rotary would pair adjacent dims, which nothing exports."""
+    if not rope_dims or int(rope_dims) == head_dim:
+        return None
+    if int(rope_dims) > head_dim or family.gguf_permuted_qk:
+        raise ValueError(f"GGUF {family.model_type} with RoPE over {rope_dims} of {head_dim} "
+                         "head dimensions is not supported")
+    return int(rope_dims)
+
+
+def _linear_rope(h: _Header) -> dict[str, Any] | None:
+    """Linear RoPE scaling as the converter writes it (``rope.scaling.type`` / ``.factor``):
+    Gemma 3's global layers (4B and up), linearly scaled Llama fine-tunes. Other types are
+    read elsewhere (LongRoPE, Llama 3.1's rope_freqs) or not at all."""
+    factor = h("rope.scaling.factor")
+    if h("rope.scaling.type") != "linear" or not factor or float(factor) == 1.0:
+        return None
+    return dict(rope_type="linear", factor=float(factor))
+
+
+# llama.cpp's layer count of the 27B models (Gemma 2, Gemma 3), whose score scale is
+# hidden / heads rather than the head size
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Gemma 3: llama.cpp windows five layers in six (every 6th global, as transformers'
+# sliding_window_pattern 6) and rotates the windowed ones with an unscaled base of 10000
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_BASE = 10000.0
+
+
 def _gemma_fields(h: _Header, fields: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2 as llama.cpp runs it. Its converter stores the norm weights as ``1 + w``
-    (no offset to add at load) and drops ``query_pre_attn_scalar``: llama.cpp scales
-    scores by ``1/sqrt(head_dim)``, except for the 46-layer 27B whose scalar is
-    hidden / heads (which is what that model's config says), unless the file has a scale."""
-    scalar = (fields["hidden_size"] // fields["num_heads"] if fields["num_layers"] == 46
-              else fields["head_dim"])
+    """Gemma 2 / 3 as llama.cpp runs them. Its converter stores every norm weight as
+    ``1 + w`` (Gemma 3's q/k norms too: no offset to add at load) and drops
+    ``query_pre_attn_scalar``: llama.cpp scales scores by ``1/sqrt(head_dim)``, except for
+    the 27B models whose scalar is hidden / heads (which is what their configs say), unless
+    the file has a scale."""
+    big = fields["num_layers"] == _GEMMA_27B_LAYERS.get(h.arch)
+    scalar = fields["hidden_size"] // fields["num_heads"] if big else fields["head_dim"]
+    gemma3 = h.arch == "gemma3"
     return dict(
         mlp_act="gelu_tanh",
         embedding_multiplier=math.sqrt(fields["hidden_size"]),
@@ -154,11 +196,24 @@ def _gemma_fields(h: _Header, fields: dict[str, Any]) -> dict[str, Any]:
         final_softcap=float(h("final_logit_softcapping") or 0) or None,
         sandwich_norms=True,
         norm_offset=0.0,
-        # windowed and global layers alternate, the first windowed (llama.cpp's pattern 2,
-        # transformers' layer_types)
-        sliding_layers=(tuple(range(0, fields["num_layers"], 2))
+        sliding_layers=(_gemma_sliding_layers(h, fields["num_layers"])
                         if fields["sliding_window"] else None),
+        # Gemma 3's windowed layers keep their own RoPE (the header's base and linear
+        # scaling are the global layers'); newer files may name the local base
+        local_rope_theta=(float(h("rope.freq_base_swa") or _GEMMA3_LOCAL_BASE)
+                          if gemma3 else None),
     )
+
+
+def _gemma_sliding_layers(h: _Header, num_layers: int) -> tuple[int, ...]:
+    """The windowed layers: an explicit ``attention.sliding_window_pattern`` (per-layer
+    flags) where the file has one, else llama.cpp's fixed pattern per family: Gemma 2
+    alternates, the first windowed (pattern 2); Gemma 3 windows five in six."""
+    flags = h.values("attention.sliding_window_pattern")
+    if flags is not None and len(flags) == num_layers:
+        return tuple(i for i, windowed in enumerate(flags) if windowed)
+    pattern = int(flags[0]) if flags else _GEMMA3_PATTERN if h.arch == "gemma3" else 2
+    return tuple(i for i in range(num_layers) if i % pattern < pattern - 1)
 
 
 def _longrope(reader: Any, h: _Header, names: set[str]) -> dict[str, Any] | None:

@@ -47,13 +47,15 @@ _BLOCK_NAMES = {
     "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Gemma 2 / 3's four norms: llama.cpp's ffn_norm is the pre-MLP norm, and the
+# post-attention norm (applied to the attention output) has a name of its own
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
+                "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 # Where a family's converter reuses a name for another module
 _FAMILY_BLOCK_NAMES = {
-    # Gemma 2's four norms: llama.cpp's ffn_norm is the pre-MLP norm, and the post-attention
-    # norm (applied to the attention output) has a name of its own
-    "gemma2": {"ffn_norm": "pre_feedforward_layernorm",
-               "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3_text": _GEMMA_NORMS,
     # Phi-3's ffn_up is the checkpoint's gate_up_proj: gate rows then up rows
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }

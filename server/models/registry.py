@@ -44,7 +44,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma2", gemma=True, gguf_permuted_qk=False),
     # Gemma 3 (text): Gemma 2 plus (1 + w) q/k norms, no soft caps by default, and its
     # sliding layers' own RoPE (config.py reads layer_types and the two RoPE settings)
-    Architecture("Gemma3ForCausalLM", "gemma3_text", None, qk_norm=True, gemma=True),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma3", qk_norm=True, gemma=True,
+                 gguf_permuted_qk=False),
     # llama.cpp exports Mixtral as "llama" with expert tensors (gguf_architecture tells them
     # apart by the expert count)
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),

@@ -1,7 +1,8 @@
 """GGUF files written from transformers models the way llama.cpp's converter
 (convert_hf_to_gguf.py) lays them out, for the GGUF tests: tensor names and layouts per
-family, Q/K rows permuted for "llama" / "granite" (Mixtral included), Gemma 2's norms stored
-as 1 + w, Phi-3's LongRoPE factors as tensors, experts stacked per layer."""
+family, Q/K rows permuted for "llama" / "granite" (Mixtral, Mistral included), Gemma 2/3's
+norms stored as 1 + w, Phi-3's LongRoPE factors as tensors and partial rotary size, experts
+stacked per layer."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ _PARTS = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps",
 }
-_GEMMA2_PARTS = {"post_attention_layernorm": "post_attention_norm",
-                 "pre_feedforward_layernorm": "ffn_norm",
-                 "post_feedforward_layernorm": "post_ffw_norm"}
+_GEMMA_PARTS = {"post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up",
                 "ffn_down")
 
@@ -38,8 +39,17 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+GEMMA = ("gemma2", "gemma3")
+
+
+def _global_rope(cfg) -> dict:
+    """The (global layers') RoPE parameters: Gemma 3 keeps one dict per layer type."""
+    return cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+
+
 def _header(writer, cfg, arch: str, head_dim: int, llama_scaling: dict | None) -> None:
-    theta = float(cfg.rope_parameters["rope_theta"])
+    rope = _global_rope(cfg)
+    theta = float(rope["rope_theta"])
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -51,9 +61,14 @@ def _header(writer, cfg, arch: str, head_dim: int, llama_scaling: dict | None) -
     writer.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "pad_token_id", None) is not None:
         writer.add_pad_token_id(cfg.pad_token_id)
-    if arch in ("llama", "granite", "phi3"):
+    if arch in ("llama", "granite"):
         writer.add_rope_dimension_count(head_dim)
-    else:  # qwen2 / qwen3 / qwen3moe / gemma2
+    elif arch == "phi3":  # Phi-4-mini's partial share, sized as the converter does
+        partial = rope.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor",
+                                                               None) or 1.0
+        writer.add_rope_dimension_count(int(partial * cfg.hidden_size)
+                                        // cfg.num_attention_heads)
+    else:  # qwen2 / qwen3 / qwen3moe / gemma2 / gemma3
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "granite":
@@ -75,8 +90,17 @@ def _header(writer, cfg, arch: str, head_dim: int, llama_scaling: dict | None) -
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
         writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
+        import gguf
+
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        if "sliding_attention" in cfg.layer_types:
+            writer.add_sliding_window(cfg.sliding_window)
+        if rope.get("rope_type") == "linear":  # the global layers' scaling
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     if arch == "phi3":
-        rope = cfg.rope_parameters
         writer.add_sliding_window(cfg.sliding_window or 0)
         original = rope.get("original_max_position_embeddings") \
             or getattr(cfg, "original_max_position_embeddings", None) \
@@ -95,19 +119,19 @@ def _tensors(hf_model, arch: str) -> list[tuple[str, np.ndarray]]:
     """(llama.cpp name, float32 array) in llama.cpp's layouts."""
     cfg = hf_model.config
     permuted = arch in ("llama", "granite")
-    parts = {**_PARTS, **(_GEMMA2_PARTS if arch == "gemma2" else {})}
+    parts = {**_PARTS, **(_GEMMA_PARTS if arch in GEMMA else {})}
     out = []
     for name, tensor in hf_model.state_dict().items():
         array = tensor.float().numpy()
         if name == "lm_head.weight":
-            if arch == "gemma2":
-                continue  # llama.cpp's Gemma 2 always ties the head
+            if arch in GEMMA:
+                continue  # llama.cpp's Gemma 2 / 3 always tie the head
             out.append(("output.weight", array))
             continue
         if not name.startswith("model.layers."):
             top = {"model.embed_tokens.weight": "token_embd.weight",
                    "model.norm.weight": "output_norm.weight"}[name]
-            out.append((top, array + 1 if arch == "gemma2" and "norm" in top else array))
+            out.append((top, array + 1 if arch in GEMMA and "norm" in top else array))
             continue
         _, _, layer, rest = name.split(".", 3)
         if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
@@ -121,8 +145,9 @@ def _tensors(hf_model, arch: str) -> list[tuple[str, np.ndarray]]:
             array = permute(array, cfg.num_attention_heads)
         elif permuted and kind == "weight" and part == "self_attn.k_proj":
             array = permute(array, cfg.num_key_value_heads)
-        if arch == "gemma2" and part.endswith("layernorm"):
-            array = array + 1  # llama.cpp's converter adds Gemma's 1 to its norm weights
+        if arch in GEMMA and part.endswith("norm"):
+            # llama.cpp's converter adds Gemma's 1 to every norm weight (Gemma 3's q/k too)
+            array = array + 1
         out.append((f"blk.{layer}.{parts[part]}.{kind}", array))
     return out
 

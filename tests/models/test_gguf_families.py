@@ -1,5 +1,5 @@
-"""GGUF files of the families llama.cpp exports beyond Llama / Qwen (Phi-3, Gemma 2,
-Qwen3-MoE, Mixtral as "llama" with experts), written here in llama.cpp's layouts from tiny
+"""GGUF files of the families llama.cpp exports beyond Llama / Qwen (Phi-3 and Phi-4-mini's
+partial rotary, Gemma 2 and 3, Qwen3-MoE, Mixtral and Mistral as "llama"), written here in llama.cpp's layouts from tiny
 random transformers models: our loader must give transformers' logits and greedy tokens on
 the original fp32 weights, and, where transformers can read the same file, its logits."""
 
@@ -43,6 +43,30 @@ def gemma2(head_dim: int = 32, caps: tuple[float, float] = (5.0, 3.0), **extra) 
         query_pre_attn_scalar=head_dim, attn_logit_softcapping=caps[0],
         final_logit_softcapping=caps[1], max_position_embeddings=512, **extra)
     return scaled(transformers.Gemma2ForCausalLM(cfg))
+
+
+def gemma3(head_dim: int = 32, scaling: dict | None = None, final_cap: float | None = 3.0,
+           **extra) -> torch.nn.Module:
+    """Gemma 3 text as llama.cpp reads it: seven layers in its fixed pattern (five windowed,
+    the 6th global, the 7th windowed again), an 8-token window, the local RoPE base 10000
+    beside a global 1M one, the score scale 1/sqrt(head_dim) (query_pre_attn_scalar ==
+    head_dim, as in the 1B-12B models)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        query_pre_attn_scalar=head_dim, sliding_window=8, sliding_window_pattern=6,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling=scaling,
+        final_logit_softcapping=final_cap, max_position_embeddings=512, **extra)
+    return scaled(transformers.Gemma3ForCausalLM(cfg))
+
+
+# Phi-4-mini's RoPE in small: LongRoPE over 12 of the 16 head dims (partial_rotary_factor
+# 0.75, as Phi-4-mini's 96 of 128), so 6 factors per kind
+PHI4_MINI_LONGROPE = dict(rope_type="longrope", short_factor=[1.0 + i / 8 for i in range(6)],
+                          long_factor=[2.0 + i / 4 for i in range(6)])
 
 
 def qwen3_moe() -> torch.nn.Module:
@@ -156,6 +180,100 @@ def test_mixtral_gguf_is_llama_with_experts(tiny_model_factory, tmp_path: Path) 
     assert_matches(folder, hf_model)
 
 
+def test_gemma3_gguf_pattern_local_rope_and_qk_norms(tmp_path: Path) -> None:
+    """Gemma 3 as llama.cpp's converter writes it ("gemma3"): every norm stored as 1 + w,
+    q/k norms included; the header's base and linear scaling for the global layers only,
+    the windowed ones on the unscaled 10000 base; windows by llama.cpp's pattern of six.
+    Prompts run past the 8-token window, so windowing or rotating any layer the wrong way
+    changes the logits."""
+    hf_model = gemma3(scaling=dict(rope_type="linear", factor=8.0))
+    assert hf_model.config.layer_types[5] == "full_attention"  # transformers' own pattern
+    folder = gguf_folder(tmp_path, hf_model, "gemma3")
+    cfg = load_model(resolve_model_source(folder), "float32", torch.device("cpu")).config
+    assert cfg.model_type == "gemma3_text" and cfg.qk_norm and cfg.norm_offset == 0.0
+    assert [cfg.layer_window(i) for i in range(7)] == [8] * 5 + [None, 8]
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.local_rope_scaling) == (1e6, 1e4, None)
+    assert cfg.rope_scaling == dict(rope_type="linear", factor=8.0)
+    assert (cfg.attn_softcap, cfg.final_softcap) == (None, 3.0)
+    assert max(PROMPT_LENS) > 8
+    assert_matches(folder, hf_model)
+
+
+def test_gemma3_27b_score_scale_follows_llama_cpp(tmp_path: Path) -> None:
+    """As for Gemma 2: without query_pre_attn_scalar in the header llama.cpp scales the
+    62-layer 27B by hidden / heads (168, its config's scalar), the others by head_dim."""
+    import gguf
+
+    from server.models.gguf import gguf_model_config
+
+    for layers, scalar in ((62, 5376 // 32), (34, 256)):
+        path = tmp_path / f"gemma3-{layers}.gguf"
+        writer = gguf.GGUFWriter(str(path), "gemma3")
+        for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 8192),
+                           (writer.add_embedding_length, 5376), (writer.add_head_count, 32),
+                           (writer.add_feed_forward_length, 21504), (writer.add_vocab_size, 8),
+                           (writer.add_key_length, 256), (writer.add_head_count_kv, 16),
+                           (writer.add_sliding_window, 1024)):
+            add(value)
+        writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        cfg = gguf_model_config(gguf.GGUFReader(str(path)))
+        assert cfg.attention_multiplier == pytest.approx(scalar ** -0.5)
+        assert cfg.sliding_layers == tuple(i for i in range(layers) if i % 6 != 5)
+
+
+def test_mistral_gguf_is_llama(tiny_model_factory, tmp_path: Path) -> None:
+    """llama.cpp's converter writes Mistral as "llama" (Q/K rows permuted), without its
+    sliding window: no such key for "llama", which llama.cpp runs with full attention. So
+    this is a window-less Mistral (any Mistral GGUF serves as llama.cpp serves it)."""
+    _, hf_model, _ = tiny_model_factory(model_type="mistral", tie=False, num_kv_heads=2)
+    assert hf_model.config.sliding_window is None
+    folder = gguf_folder(tmp_path, hf_model, "llama")
+    cfg = load_model(resolve_model_source(folder), "float32", torch.device("cpu")).config
+    assert cfg.model_type == "llama" and cfg.sliding_window is None
+    assert_matches(folder, hf_model)
+
+
+def test_phi4_mini_gguf_partial_rotary(tiny_model_factory, tmp_path: Path) -> None:
+    """Phi-4-mini: "phi3" with rope.dimension_count below the head size (12 of 16 here),
+    LongRoPE factors over the rotated dims only; the 30-token prompt passes the 64-token
+    original context, so both the partial rotation and the long factors show."""
+    _, hf_model, _ = tiny_model_factory(model_type="phi3", tie=False, num_kv_heads=2,
+                                        rope_scaling=PHI4_MINI_LONGROPE,
+                                        config_kwargs=dict(partial_rotary_factor=0.75))
+    folder = gguf_folder(tmp_path, hf_model, "phi3")
+    cfg = load_model(resolve_model_source(folder), "float32", torch.device("cpu")).config
+    assert (cfg.head_dim, cfg.rotary_dim) == (16, 12)
+    assert cfg.rope_scaling["long_factor"] == PHI4_MINI_LONGROPE["long_factor"]
+    assert_matches(folder, hf_model)
+
+
+def test_partial_rotary_refused_where_llama_cpp_permutes(tmp_path: Path) -> None:
+    """A "llama" file's Q/K rows are permuted for llama.cpp's adjacent-pair RoPE; a partial
+    share there is no layout transformers has, so it is refused rather than misread."""
+    import gguf
+
+    from server.models.gguf import gguf_model_config
+
+    path = tmp_path / "partial-llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64),
+                       (writer.add_embedding_length, 64), (writer.add_head_count, 4),
+                       (writer.add_feed_forward_length, 128), (writer.add_vocab_size, 8),
+                       (writer.add_key_length, 16), (writer.add_rope_dimension_count, 8)):
+        add(value)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="RoPE over 8 of 16"):
+        gguf_model_config(gguf.GGUFReader(str(path)))
+
+
 def transformers_reading(folder: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -164,17 +282,19 @@ def transformers_reading(folder: str) -> torch.nn.Module:
                                                 dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3", "qwen3moe"])
 def test_transformers_reads_the_same_gguf(tiny_model_factory, tmp_path: Path, arch: str
                                           ) -> None:
     """An independent reading of the same file (transformers' GGUF loader) gives our
     logits. Its readers take fewer header keys than llama.cpp writes (no LongRoPE factors,
-    Gemma 2's caps and score scale at the real models' defaults, Qwen3-MoE's expert size
-    at 768), so these models use the values it assumes."""
+    Gemma 2's caps and score scale at the real models' defaults, Gemma 3's too and no RoPE
+    scaling, Qwen3-MoE's expert size at 768), so these models use the values it assumes."""
     if arch == "phi3":
         hf_model = tiny_model_factory(model_type="phi3", tie=False, num_kv_heads=2)[1]
     elif arch == "gemma2":
         hf_model = gemma2(head_dim=256, caps=(50.0, 30.0))
+    elif arch == "gemma3":
+        hf_model = gemma3(head_dim=256, final_cap=None)
     else:
         import transformers
 
