@@ -58,9 +58,8 @@ class CacheConfig:
     # auto: the model's dtype; fp8 / fp8_e4m3: float8 e4m3 storage (half of bf16's bytes),
     # upcast where attention reads it
     kv_cache_dtype: str = "auto"
-    # share full KV blocks between requests with the same token prefix (on in vLLM; off
-    # here until a cache hit is cheaper than recomputing on CPU, see README)
-    enable_prefix_caching: bool = False
+    # share full KV blocks between requests with the same token prefix (on, as in vLLM)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -275,10 +274,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=False,
+                        default=True,
                         help="reuse the KV blocks of a prompt prefix computed before (full "
-                             "blocks, chained hashes); off "
-                             "by default: on CPU a hit still costs more than recomputing")
+                             "blocks, chained hashes)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="fp8: store K/V as float8 e4m3 (half the bytes of bf16), upcast "
                              "in attention; on CPU this runs PyTorch attention, not the fused "
