@@ -129,3 +129,22 @@ def test_max_model_len_beyond_the_budget_only_with_chunking() -> None:
     default = SchedulerConfig(max_model_len=16384)
     assert SchedulerLimits.resolve(default, 32768, True).max_num_batched_tokens == 2048
     assert SchedulerLimits.resolve(default, 32768, False).max_num_batched_tokens == 16384
+
+
+def test_smollm2_identical_with_chunking_and_caching_on_and_off(smollm2_gguf) -> None:
+    """The embedded model in fp32: long prompts over 96-token chunks, a shared prefix
+    cached, against one whole-prompt step with nothing cached."""
+    folder, gguf_file = smollm2_gguf
+    path = f"{folder}/{gguf_file}"
+    common = dict(dtype="float32", block_size=16, max_num_seqs=4, max_model_len=1024)
+    on = LLM(path, enable_chunked_prefill=True, enable_prefix_caching=True,
+             max_num_batched_tokens=96, **common)
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(100, 40000, (200,), generator=gen).tolist()
+    batch = [shared + torch.randint(100, 40000, (n,), generator=gen).tolist()
+             for n in (10, 150, 333)] + [torch.randint(100, 40000, (450,), generator=gen).tolist()]
+    got = [outputs(on, [p], max_tokens=12)[0] for p in batch]  # one by one: later ones hit
+    assert on.engine.stats().prefix_cache_hits >= 2 * 192
+    del on
+    off = LLM(path, enable_chunked_prefill=False, enable_prefix_caching=False, **common)
+    assert outputs(off, batch, max_tokens=12) == got
