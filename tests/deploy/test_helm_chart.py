@@ -3,6 +3,7 @@ checked against the Kubernetes JSON schemas (kubernetes-validate, strict: unknow
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import helm_python as helm
@@ -309,6 +310,33 @@ def test_multi_host_leader_worker_set() -> None:
         worker_pod["metadata"]["labels"].items()
     # without multiHost the Service selects the Deployment's pods, no worker-index label
     assert LWS_WORKER_INDEX not in render({})["Service"]["spec"]["selector"]
+
+
+def readme_layouts() -> list[dict]:
+    """The chart values the README's "Multi-card and multi-host" section gives."""
+    text = (CHART.parents[2] / "README.md").read_text()
+    section = text[text.index("### Multi-card and multi-host"):]
+    section = section[:section.index("\n## ")]
+    return [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+
+
+def test_readme_layouts_render_as_described() -> None:
+    one_host, two_hosts = readme_layouts()
+    docs = render(one_host)
+    c = container(docs)
+    assert flag(c["args"], "--tensor-parallel-size") == "8"
+    assert c["resources"]["limits"]["habana.ai/gaudi"] == 8
+    assert env_of(docs)["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "true"
+    assert "/dev/shm" in {m["mountPath"] for m in c["volumeMounts"]}
+    docs = render(two_hosts)
+    assert "Deployment" not in docs
+    assert docs["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["size"] == 2
+    leader, worker = container(docs, "leader"), container(docs, "worker")
+    assert flag(leader["args"], "--tensor-parallel-size") == "16"
+    assert flag(leader["args"], "--distributed-executor-backend") == "ray"
+    assert "ray start --head --port=6379" in leader["command"][2]
+    assert "ray start --address=$(LWS_LEADER_ADDRESS):6379 --block" in worker["command"][2]
+    assert worker["resources"]["limits"]["habana.ai/gaudi"] == 8
 
 
 @pytest.mark.parametrize(("bad", "message"), [
