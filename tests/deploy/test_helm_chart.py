@@ -70,8 +70,9 @@ def env_of(docs: dict[str, dict]) -> dict[str, object]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(docs)["env"]}
 
 
-def test_lint_is_clean() -> None:
-    result = helm.lint(str(CHART))
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_lint_is_clean(name: str) -> None:
+    result = helm.lint(str(CHART), load_values(name) or None, strict=True)
     assert result["total_charts_linted"] == 1
     assert result["errors"] == []
     assert result["messages"] == []
