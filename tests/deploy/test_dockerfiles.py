@@ -73,3 +73,12 @@ def test_build_context_carries_what_the_images_copy() -> None:
     ignore = (ROOT / ".dockerignore").read_text().split()
     for kept in ("!pyproject.toml", "!README.md", "!server/", "!config/chat_templates/"):
         assert kept in ignore
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_ray_is_a_build_option(dockerfile: Path) -> None:
+    """The chart's multiHost pods run `ray start`: Ray is installed with --build-arg RAY_VERSION."""
+    text = dockerfile.read_text()
+    assert 'ARG RAY_VERSION=""' in text
+    assert re.search(r'if \[ -n "\$\{RAY_VERSION\}" \]; then\s*\\?\s*pip install [^\n]*'
+                     r'"ray==\$\{RAY_VERSION\}"; fi', text)
