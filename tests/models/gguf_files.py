@@ -262,3 +262,19 @@ def quantize_q4_k(array: np.ndarray) -> tuple[np.ndarray, object]:
     blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8),
                              scales, qs], axis=-1)
     return blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K
+
+
+def header_only_gguf(path: Path, arch: str, **header: int) -> Path:
+    """A GGUF file with a header (``add_<key>`` of gguf's writer for each keyword) and one
+    dummy tensor: enough for the config reader."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in header.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_files import write_gguf
+from gguf_files import header_only_gguf, write_gguf
 from test_llama import PHI3_LONGROPE, PROMPT_LENS, run_prefill_then_decode
 from transformers import GenerationConfig
 
@@ -142,18 +142,10 @@ def test_gemma2_27b_score_scale_follows_llama_cpp(tmp_path: Path) -> None:
     from server.models.gguf import gguf_model_config
 
     for layers, scalar in ((46, 4608 // 32), (42, 128)):  # hidden/heads 144, head 128
-        path = tmp_path / f"gemma2-{layers}.gguf"
-        writer = gguf.GGUFWriter(str(path), "gemma2")
-        for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 8192),
-                           (writer.add_embedding_length, 4608), (writer.add_head_count, 32),
-                           (writer.add_feed_forward_length, 36864), (writer.add_vocab_size, 8),
-                           (writer.add_key_length, 128), (writer.add_head_count_kv, 16)):
-            add(value)
-        writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        path = header_only_gguf(tmp_path / f"gemma2-{layers}.gguf", "gemma2", block_count=layers,
+                                context_length=8192, embedding_length=4608, head_count=32,
+                                feed_forward_length=36864, vocab_size=8, key_length=128,
+                                head_count_kv=16)
         cfg = gguf_model_config(gguf.GGUFReader(str(path)))
         assert cfg.attention_multiplier == pytest.approx(scalar ** -0.5)
         assert cfg.embedding_multiplier == pytest.approx(math.sqrt(4608))
@@ -207,19 +199,10 @@ def test_gemma3_27b_score_scale_follows_llama_cpp(tmp_path: Path) -> None:
     from server.models.gguf import gguf_model_config
 
     for layers, scalar in ((62, 5376 // 32), (34, 256)):
-        path = tmp_path / f"gemma3-{layers}.gguf"
-        writer = gguf.GGUFWriter(str(path), "gemma3")
-        for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 8192),
-                           (writer.add_embedding_length, 5376), (writer.add_head_count, 32),
-                           (writer.add_feed_forward_length, 21504), (writer.add_vocab_size, 8),
-                           (writer.add_key_length, 256), (writer.add_head_count_kv, 16),
-                           (writer.add_sliding_window, 1024)):
-            add(value)
-        writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        path = header_only_gguf(tmp_path / f"gemma3-{layers}.gguf", "gemma3", block_count=layers,
+                                context_length=8192, embedding_length=5376, head_count=32,
+                                feed_forward_length=21504, vocab_size=8, key_length=256,
+                                head_count_kv=16, sliding_window=1024)
         cfg = gguf_model_config(gguf.GGUFReader(str(path)))
         assert cfg.attention_multiplier == pytest.approx(scalar ** -0.5)
         assert cfg.sliding_layers == tuple(i for i in range(layers) if i % 6 != 5)
@@ -258,18 +241,10 @@ def test_partial_rotary_refused_where_llama_cpp_permutes(tmp_path: Path) -> None
 
     from server.models.gguf import gguf_model_config
 
-    path = tmp_path / "partial-llama.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64),
-                       (writer.add_embedding_length, 64), (writer.add_head_count, 4),
-                       (writer.add_feed_forward_length, 128), (writer.add_vocab_size, 8),
-                       (writer.add_key_length, 16), (writer.add_rope_dimension_count, 8)):
-        add(value)
-    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = header_only_gguf(tmp_path / "partial-llama.gguf", "llama", block_count=1,
+                            context_length=64, embedding_length=64, head_count=4,
+                            feed_forward_length=128, vocab_size=8, key_length=16,
+                            rope_dimension_count=8)
     with pytest.raises(ValueError, match="RoPE over 8 of 16"):
         gguf_model_config(gguf.GGUFReader(str(path)))
 
