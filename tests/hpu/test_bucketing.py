@@ -142,7 +142,8 @@ def test_shipped_example_bucket_file_parses() -> None:
     decodes = [b for b in buckets if b[1] == 1]
     assert (1, 2048, 0) in prompts
     assert (4, 256, 0) in prompts
-    assert len(prompts) == 9
+    assert (1, 512, 31) in prompts  # a context line
+    assert len(prompts) == 9 + 3 * 6
     assert (8, 1, 104) in decodes
     assert (32, 1, 480) in decodes
     assert all(blocks < 544 for _, _, blocks in decodes)
