@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     buckets.add_argument("--block-size", type=int, default=128)
     buckets.add_argument("--num-gpu-blocks-override", type=int, default=None,
                          help="KV blocks of the cache, for the decode block clamp")
+    for flag in ("--enable-chunked-prefill", "--enable-prefix-caching"):
+        buckets.add_argument(flag, action=argparse.BooleanOptionalAction, default=True,
+                             help="as for serve: either one adds context-block prompt buckets")
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
                            "synthetic streaming workload",
@@ -69,11 +72,13 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
     from server.hpu.bucketing import format_plan, resolve_ranges
 
     batched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens
-                              ).batched_tokens_for(args.max_model_len)
+                              ).batched_tokens_for(args.max_model_len,
+                                                   args.enable_chunked_prefill)
     ranges = resolve_ranges(
         bucketing_config_from_env(environ), block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=batched, num_blocks=args.num_gpu_blocks_override,
+        with_context=args.enable_chunked_prefill or args.enable_prefix_caching,
     )
     print(format_plan(ranges))
     return 0

@@ -63,16 +63,23 @@ def test_cli_lists_platforms_and_prints_bucket_plans(fake_plugin_dir) -> None:
     assert out.returncode == 0
     assert "tpu      available" in out.stdout
     assert "selected: tpu" in out.stdout
+    plain = ["--no-enable-chunked-prefill", "--no-enable-prefix-caching"]
     out = subprocess.run(cli + ["buckets", "--max-model-len", "1024", "--max-num-seqs", "4",
-                                "--max-num-batched-tokens", "1024"],
+                                "--max-num-batched-tokens", "1024", *plain],
                          capture_output=True, text=True, env=dict(env, VLLM_SKIP_WARMUP="1"))
     assert out.returncode == 0
     assert "Generated 7 prompt buckets" in out.stdout
     assert "Generated 13 decode buckets" in out.stdout
-    out = subprocess.run(cli + ["buckets", "--max-model-len", "1024"], capture_output=True,
-                         text=True, env=dict(env, VLLM_BUCKETING_STRATEGY="lin",
-                                             VLLM_PROMPT_SEQ_BUCKET_MAX="512"))
+    lin = dict(env, VLLM_BUCKETING_STRATEGY="lin", VLLM_PROMPT_SEQ_BUCKET_MAX="512")
+    out = subprocess.run(cli + ["buckets", "--max-model-len", "1024", *plain],
+                         capture_output=True, text=True, env=lin)
     assert "Generated 4 prompt buckets" in out.stdout
+    # the defaults (chunked prefill, prefix caching) add batch-1 buckets with context:
+    # (1024 - 128) / 128 = 7 context blocks at most, every one with the linear strategy
+    out = subprocess.run(cli + ["buckets", "--max-model-len", "1024"], capture_output=True,
+                         text=True, env=lin)
+    assert "ctx:[0, 1, 7, 0]" in out.stdout
+    assert "Generated 32 prompt buckets" in out.stdout
 
 
 def test_builtin_fallback_names_the_entry_points_of_pyproject() -> None:
