@@ -21,6 +21,8 @@ executor's kill; Ray also ends them if the server process dies, being their owne
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from typing import Any
 
 import ray
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 # how long the cluster may take to reserve every rank's bundle, and to start the actors,
 # before start-up fails (an unsatisfiable request would otherwise wait forever)
 _PLACEMENT_TIMEOUT_S = 120.0
+# how long shutdown waits for Ray to kill the actors and free the placement group
+_CLEANUP_TIMEOUT_S = 15.0
 # Ray's resource name for one rank's device, by torch device type
 _RESOURCES = {"cpu": "CPU", "cuda": "GPU", "hpu": "HPU"}
 
@@ -82,9 +86,7 @@ class RayExecutor(RankExecutor):
                        port: int) -> tuple[str, int]:
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            # address None: RAY_ADDRESS, else this host's latest cluster, else a new local
-            # one (ray.init's own rule, as vLLM relies on it)
-            ray.init(log_to_driver=True)
+            _init_ray()
         self.actors: list[Any] = []
         self.calls: list[Any] = []
         self._placeholder: Any = None
@@ -148,22 +150,57 @@ class RayExecutor(RankExecutor):
     def _kill_workers(self) -> None:
         if not getattr(self, "_owns_ray", False) and not ray.is_initialized():
             return
-        for actor in [*getattr(self, "actors", []), getattr(self, "_placeholder", None)]:
-            if actor is not None:
+        actors = [*getattr(self, "actors", []), getattr(self, "_placeholder", None)]
+        group, owns = getattr(self, "_group", None), getattr(self, "_owns_ray", False)
+        self.actors, self._placeholder, self._group, self._owns_ray = [], None, None, False
+
+        def clean_up() -> None:
+            for actor in actors:
+                if actor is not None:
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+            if group is not None:
                 try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
+                    remove_placement_group(group)
+                except Exception:  # noqa: BLE001 - already removed with the cluster
                     pass
-        self.actors, self._placeholder = [], None
-        group, self._group = getattr(self, "_group", None), None
-        if group is not None:
-            try:
-                remove_placement_group(group)
-            except Exception:  # noqa: BLE001 - already removed with the cluster
-                pass
-        if getattr(self, "_owns_ray", False) and ray.is_initialized():
-            self._owns_ray = False
-            ray.shutdown()  # a local cluster we started ends here; a remote one is left
+            if owns and ray.is_initialized():
+                ray.shutdown()  # a local cluster we started ends here; a joined one is left
+
+        # bounded: with the cluster's control process gone these calls retry for a minute,
+        # and a stopping server must not wait on them (Ray ends the actors of a driver
+        # that has gone anyway)
+        cleaner = threading.Thread(target=clean_up, name="ray-cleanup", daemon=True)
+        cleaner.start()
+        cleaner.join(_CLEANUP_TIMEOUT_S)
+        if cleaner.is_alive():
+            logger.warning("Ray did not confirm the end of the tensor-parallel actors in "
+                           "%.0f s", _CLEANUP_TIMEOUT_S)
+
+
+def _init_ray() -> None:
+    """``ray.init()`` with no address: RAY_ADDRESS, else the cluster last started on this
+    host, else a new local one (Ray's own rule, which vLLM relies on too). Called on a
+    thread that lives as long as the process: a local cluster's processes are killed when
+    the *thread* that started them ends (Linux's parent-death signal), and the engine is
+    built on a thread that ends before the executor is shut down."""
+    result: queue.Queue[BaseException | None] = queue.Queue()
+
+    def driver() -> None:
+        try:
+            ray.init(log_to_driver=True)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            result.put(exc)
+            return
+        result.put(None)
+        threading.Event().wait()  # never set: stays for the process's lifetime
+
+    threading.Thread(target=driver, name="ray-driver", daemon=True).start()
+    error = result.get()
+    if error is not None:
+        raise error
 
 
 def _first_index(device_ids: dict[str, list[str]]) -> int:

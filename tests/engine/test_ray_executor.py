@@ -1,16 +1,22 @@
 """--distributed-executor-backend ray on a two-node Ray cluster of this host.
 
-The cluster is started here: a head node with one CPU and a second node with one CPU.
+A cluster is started here: a head node with one CPU and a second node with one CPU.
 With one CPU bundle per rank and rank 0's pinned to the server's node (the head), rank 1's
 actor is placed on the other node: the placement and the rendezvous at the node's address
 (not loopback) are exercised as with two hosts. Skipped without the optional ``ray`` package
-(``pip install 'hpu-serve[ray]'``). About 30 s.
+(``pip install 'hpu-serve[ray]'``); about 35 s on two cores.
+
+Opt-in (HPU_SERVE_TEST_RAY_SERVER=1, about 30 s more): a server with no cluster to join
+starts its own local one, serves, drains on SIGTERM and leaves no Ray process behind.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +26,63 @@ ray = pytest.importorskip(
 
 from server.config import make_engine_config  # noqa: E402
 from test_tensor_parallel import PROMPTS, SMALL, assert_same, generate  # noqa: E402
+
+
+def children(pid: int) -> list[int]:
+    """Every process started by ``pid``, directly or not (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [c for c, p in parents.items() if p == parent]
+        found += kids
+        todo += kids
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] \
+            != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(os.environ.get("HPU_SERVE_TEST_RAY_SERVER") != "1",
+                    reason="~30 s more: opt in with HPU_SERVE_TEST_RAY_SERVER=1")
+def test_server_with_its_own_local_ray_drains_and_leaves_nothing(
+        tiny_model_factory, start_server_fn, tiny_flags) -> None:
+    # first in this file: no cluster runs yet, so the server starts a local one; the
+    # engine is built on a thread that ends before shutdown, which must not take Ray's
+    # processes with it (their parent-death signal follows the starting thread)
+    import httpx
+
+    folder, _, _ = tiny_model_factory(num_kv_heads=1)
+    server = start_server_fn(folder, *tiny_flags, "--tensor-parallel-size", "2",
+                             "--distributed-executor-backend", "ray", env={"RAY_ADDRESS": ""})
+    try:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "the quick brown fox",
+                "max_tokens": 4, "temperature": 0}
+        resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert "Started a local Ray instance" in server.log()
+        assert "Tensor-parallel rank 1 ready" in server.log()
+        ray_processes = children(server.proc.pid)
+        assert ray_processes
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0, server.log()
+        assert "Tensor-parallel workers stopped" in server.log()
+        wait_for(lambda: not any(running(p) for p in ray_processes), 20,
+                 "Ray processes left behind")
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +103,13 @@ def ray_cluster() -> Iterator[str]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def wait_for(check, timeout: float, what: str) -> None:  # noqa: ANN001 - a callable
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
 
 
 RAY_TP2 = dict(distributed_executor_backend="ray", **SMALL)
