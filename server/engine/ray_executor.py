@@ -129,8 +129,13 @@ class RayExecutor(RankExecutor):
         try:
             ray.get(call, timeout=5)
             why = "its rank loop returned"
-        except Exception as exc:  # noqa: BLE001 - the reason is all we want from it
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except ray.exceptions.RayTaskError as exc:  # the rank loop raised: its traceback
+            logger.error("tensor-parallel rank %d failed:\n%s", rank, exc)
+            lines = str(exc).strip().splitlines()
+            why = lines[-1] if lines else type(exc).__name__  # the exception's own line
+        except Exception as exc:  # noqa: BLE001 - the actor died: the reason is enough
+            lines = str(exc).strip().splitlines()
+            why = lines[0] if lines else type(exc).__name__
         return f"tensor-parallel worker rank {rank} (Ray actor) exited: {why}"
 
     def _exited_worker(self) -> str | None:
