@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -204,10 +205,11 @@ def _optional_int(env: Mapping[str, str], name: str) -> int | None:
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """How the model is split over devices (``--tensor-parallel-size``): one process per
-    rank on this host, rank 0 being the server itself."""
+    rank, rank 0 being the server itself."""
 
     tensor_parallel_size: int = 1
-    # "mp": worker processes on this host (vLLM's name); "ray" is not implemented yet
+    # "mp": worker processes on this host; "ray": Ray actors on a Ray cluster, possibly
+    # on other hosts (vLLM's names)
     distributed_executor_backend: str = "mp"
     # seconds a collective may wait for a rank before failing (start-up included: a rank
     # that compiles its graphs keeps the others waiting that long)
@@ -216,11 +218,13 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("--distributed-executor-backend ray is not supported yet: "
-                             "use mp (worker processes on this host)")
-        if self.distributed_executor_backend != "mp":
-            raise ValueError("--distributed-executor-backend must be mp")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("--distributed-executor-backend must be mp or ray")
+        # checked here so that a missing optional package fails before any loading
+        if (self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1
+                and importlib.util.find_spec("ray") is None):
+            raise ValueError("--distributed-executor-backend ray needs the ray package: "
+                             "pip install 'hpu-serve[ray]'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,12 +297,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "eager", "compile", "graphs"],
                         help="auto: HPU/CUDA graphs on accelerators, eager on CPU")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="split every layer over this many devices of this host, one "
+                        help="split every layer over this many devices, one "
                              "process per rank (torch.distributed: hccl on Gaudi, nccl on "
                              "CUDA, gloo on CPU)")
     parser.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
-                        help="how the ranks run: mp (worker processes on this host); ray is "
-                             "not implemented yet")
+                        help="how the ranks run: mp (worker processes on this host) or ray "
+                             "(Ray actors on the Ray cluster of RAY_ADDRESS, or of this "
+                             "host, started if none runs; needs hpu-serve[ray])")
 
 
 def engine_config_from_args(

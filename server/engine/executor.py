@@ -1,9 +1,12 @@
-"""Tensor-parallel execution on one host: rank 0 is the engine, ranks 1..N-1 are workers.
+"""Tensor-parallel execution: rank 0 is the engine, ranks 1..N-1 are workers.
 
 The server process is rank 0: it owns the scheduler, builds each step's padded inputs,
-samples, and answers requests. :class:`MultiprocExecutor` starts the other ranks as spawned
-processes; each loads its slices of the weights (tensor_parallel.py), sizes the same KV
-cache and builds the same graph runner as rank 0, then waits for orders.
+samples, and answers requests. An executor starts the other ranks: :class:`MultiprocExecutor`
+as spawned processes on this host (``--distributed-executor-backend mp``), ``RayExecutor``
+(ray_executor.py) as Ray actors, possibly on other hosts (``ray``). Whatever starts them,
+every worker runs :func:`serve_rank`: it joins rank 0's group, loads its slices of the
+weights (tensor_parallel.py), sizes the same KV cache and builds the same graph runner as
+rank 0, then waits for orders.
 
 An order is one graph-runner call (``run``, ``warm`` or ``capture``) of rank 0, with the
 phase, the bucket and the step's :class:`ForwardInputs`, broadcast as one pickled object
@@ -14,10 +17,12 @@ same tensors, so their collectives always match. The cost is the inputs' size pe
 few KiB: token ids, positions, slot mapping, block lists), plus, on an accelerator, a copy
 to host memory and back. Every rank computes the gathered logits; only rank 0 samples.
 
-Lifecycle: workers ignore SIGINT/SIGTERM (a signal sent to the whole process group must
-not kill them under a draining server) and stop when rank 0 says so, or when rank 0 is
-gone (their parent changes). Rank 0 watches the workers: one that dies ends the others
-and the engine (the server answers 503 and exits non-zero).
+Lifecycle (:class:`RankExecutor`, shared by the backends): rank 0 watches the workers; one
+that dies ends the others and the engine (the server answers 503 and exits non-zero). A
+graceful shutdown sends a stop order, then kills what has not exited. mp workers ignore
+SIGINT/SIGTERM (a signal sent to the whole process group must not kill them under a
+draining server) and exit when rank 0 is gone (their parent changes); Ray ends the actors of
+a driver that has gone.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import signal
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +57,7 @@ from server.models.loader import load_model, resolve_model_source
 logger = logging.getLogger(__name__)
 
 _STOP = "stop"
+_LOOPBACK = "127.0.0.1"
 # how long the start-up waits for every worker to reach the rendezvous
 _JOIN_TIMEOUT_S = 300.0
 _EXIT_GRACE_S = 10.0
@@ -103,8 +110,13 @@ class BroadcastingRunner(GraphRunner):
         self.inner.sync(phase)
 
 
-class MultiprocExecutor:
-    """Starts and watches ranks 1..N-1; holds rank 0's :class:`ParallelContext`."""
+class RankExecutor(ABC):
+    """Starts and watches ranks 1..N-1; holds rank 0's :class:`ParallelContext`.
+
+    What is common to every backend lives here: the rendezvous (rank 0 hosts the TCP
+    store, waits for every rank's ready key while checking that none has died), the
+    monitor that turns a rank's death into an engine fault, and the stop protocol. A
+    backend says how ranks are started, watched and killed (the abstract methods)."""
 
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         par = config.parallel
@@ -113,19 +125,11 @@ class MultiprocExecutor:
         self._fault_listeners: list[Callable[[BaseException], None]] = []
         self.fault: BaseException | None = None
         port = free_port()
-        spawn = multiprocessing.get_context("spawn")  # fork can hang device runtimes
-        self.workers = [
-            spawn.Process(target=worker_main, args=(config, rank, port, os.getpid()),
-                          name=f"hpu-serve-tp{rank}")
-            for rank in range(1, self.world_size)
-        ]
-        for rank, worker in enumerate(self.workers, start=1):
-            worker.start()
-            logger.info("Tensor-parallel worker rank %d started (pid %d)", rank, worker.pid)
         atexit.register(self.kill)  # never leave a worker behind, whatever happens
         try:
-            platform.prepare_rank(0, self.world_size)
-            store = dist.TCPStore("127.0.0.1", port, self.world_size, is_master=True,
+            host, local_rank = self._start_workers(config, platform, port)
+            platform.prepare_rank(local_rank, self.world_size)
+            store = dist.TCPStore(host, port, self.world_size, is_master=True,
                                   wait_for_workers=False,
                                   timeout=timedelta(seconds=par.collective_timeout))
             self._wait_for_workers(store)
@@ -138,8 +142,35 @@ class MultiprocExecutor:
         self.parallel = ParallelContext(0, self.world_size, platform.device, dist.group.WORLD)
         self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
         self._monitor.start()
-        logger.info("Tensor parallelism: %d ranks, backend %s", self.world_size,
-                    platform.dist_backend)
+        logger.info("Tensor parallelism: %d ranks, backend %s, executor %s", self.world_size,
+                    platform.dist_backend, par.distributed_executor_backend)
+
+    # -- what a backend provides ---------------------------------------------------------
+
+    @abstractmethod
+    def _start_workers(self, config: EngineConfig, platform: Platform,
+                       port: int) -> tuple[str, int]:
+        """Starts ranks 1..N-1, each running :func:`serve_rank` against rank 0's store at
+        ``port``; returns (the store's host as the workers reach it, the index of rank 0's
+        device among the devices this process sees)."""
+
+    @abstractmethod
+    def _exited_worker(self) -> str | None:
+        """A description of a worker that has exited, or None while all run (no wait)."""
+
+    @abstractmethod
+    def _wait_for_exit(self) -> str:
+        """Blocks until a worker exits (or is killed); describes it."""
+
+    @abstractmethod
+    def _join_workers(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for every worker to exit on its own."""
+
+    @abstractmethod
+    def _kill_workers(self) -> None:
+        """Ends every worker still running and frees what the backend holds (idempotent)."""
+
+    # -- shared ----------------------------------------------------------------------------
 
     def _wait_for_workers(self, store: Any) -> None:
         """Waits for every worker's ready key, failing fast when one exits first (the
@@ -147,10 +178,9 @@ class MultiprocExecutor:
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
         keys = [f"ready/{rank}" for rank in range(1, self.world_size)]
         while not store.check(keys):
-            for rank, worker in enumerate(self.workers, start=1):
-                if not worker.is_alive():
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited during "
-                                       f"start-up (exit code {worker.exitcode})")
+            exited = self._exited_worker()
+            if exited is not None:
+                raise RuntimeError(f"{exited} during start-up")
             if time.monotonic() > deadline:
                 raise TimeoutError("tensor-parallel workers did not start in "
                                    f"{_JOIN_TIMEOUT_S:.0f} s")
@@ -167,15 +197,13 @@ class MultiprocExecutor:
         return BroadcastingRunner(inner, self.parallel)
 
     def _watch(self) -> None:
-        sentinels = {w.sentinel: rank for rank, w in enumerate(self.workers, start=1)}
-        ready = multiprocessing.connection.wait(list(sentinels))
+        try:
+            exited = self._wait_for_exit()
+        except Exception as exc:  # noqa: BLE001 - e.g. Ray torn down under the wait
+            exited = f"tensor-parallel workers unreachable ({exc})"
         if self._stopping:
             return
-        rank = sentinels[ready[0]]  # type: ignore[index]
-        worker = self.workers[rank - 1]
-        worker.join(1)
-        fault = RuntimeError(f"tensor-parallel worker rank {rank} (pid {worker.pid}) died "
-                             f"(exit code {worker.exitcode})")
+        fault = RuntimeError(exited)
         logger.critical("%s: stopping the other ranks", fault)
         self.fault = fault
         self.kill()  # a collective with a dead rank would never finish
@@ -188,14 +216,12 @@ class MultiprocExecutor:
         if self._stopping:
             return
         self._stopping = True
-        if graceful and all(w.is_alive() for w in self.workers) and self.fault is None:
+        if graceful and self.fault is None and self._exited_worker() is None:
             try:
                 self.parallel.broadcast_object(_STOP)
             except Exception:  # noqa: BLE001 - the kill below still ends them
                 logger.warning("tensor-parallel stop order failed; killing the workers")
-        deadline = time.monotonic() + _EXIT_GRACE_S
-        for worker in self.workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
+        self._join_workers(_EXIT_GRACE_S)
         self.kill()
         atexit.unregister(self.kill)
         if graceful and self.fault is None:  # else a collective may still hold the group
@@ -203,16 +229,74 @@ class MultiprocExecutor:
         logger.info("Tensor-parallel workers stopped")
 
     def kill(self) -> None:
-        """SIGKILLs every worker still running and reaps it (idempotent)."""
+        """Ends every worker still running (idempotent)."""
         self._stopping = True  # from now on an exit is expected, not a fault
+        self._kill_workers()
+
+
+class MultiprocExecutor(RankExecutor):
+    """``--distributed-executor-backend mp``: ranks 1..N-1 are spawned processes on this
+    host, meeting rank 0 over loopback; rank r uses the host's device r."""
+
+    def _start_workers(self, config: EngineConfig, platform: Platform,
+                       port: int) -> tuple[str, int]:
+        spawn = multiprocessing.get_context("spawn")  # fork can hang device runtimes
+        self.workers = [
+            spawn.Process(target=worker_main,
+                          args=(config, rank, _LOOPBACK, port, rank, os.getpid()),
+                          name=f"hpu-serve-tp{rank}")
+            for rank in range(1, self.world_size)
+        ]
+        for rank, worker in enumerate(self.workers, start=1):
+            worker.start()
+            logger.info("Tensor-parallel worker rank %d started (pid %d)", rank, worker.pid)
+        return _LOOPBACK, 0
+
+    def _describe(self, rank: int) -> str:
+        worker = self.workers[rank - 1]
+        return (f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited "
+                f"(exit code {worker.exitcode})")
+
+    def _exited_worker(self) -> str | None:
+        for rank, worker in enumerate(getattr(self, "workers", []), start=1):
+            if not worker.is_alive():
+                return self._describe(rank)
+        return None
+
+    def _wait_for_exit(self) -> str:
+        sentinels = {w.sentinel: rank for rank, w in enumerate(self.workers, start=1)}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        rank = sentinels[ready[0]]  # type: ignore[index]
+        self.workers[rank - 1].join(1)  # for its exit code
+        return self._describe(rank)
+
+    def _join_workers(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         for worker in self.workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+
+    def _kill_workers(self) -> None:
+        # SIGKILL and reap: a worker ignores SIGTERM by design
+        for worker in getattr(self, "workers", []):
             if worker.is_alive():
                 worker.kill()
             worker.join(5)
 
 
-def worker_main(config: EngineConfig, rank: int, port: int, parent_pid: int) -> None:
-    """Entry point of rank ``rank``: join the group, load the slices, obey rank 0."""
+def make_executor(config: EngineConfig, platform: Platform) -> RankExecutor:
+    """The executor of ``--distributed-executor-backend`` (ray imported only when chosen:
+    it is an optional dependency)."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from server.engine.ray_executor import RayExecutor
+
+        return RayExecutor(config, platform)
+    return MultiprocExecutor(config, platform)
+
+
+def worker_main(config: EngineConfig, rank: int, host: str, port: int, local_rank: int,
+                parent_pid: int) -> None:
+    """Entry point of an mp worker: ignore the process group's signals, follow the parent
+    (rank 0) out, then :func:`serve_rank`."""
     from server.log import init_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -220,7 +304,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, parent_pid: int) -> 
     init_logging()
     _exit_with_parent(parent_pid)
     try:
-        _serve_rank(config, rank, port)
+        serve_rank(config, rank, host, port, local_rank)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)  # skip a teardown that could wait on the broken process group
@@ -250,13 +334,16 @@ def build_worker_runner(config: EngineConfig, platform: Platform,
                        writable_cache_dir(config.cache_dir), None, parallel=parallel)
 
 
-def _serve_rank(config: EngineConfig, rank: int, port: int) -> None:
+def serve_rank(config: EngineConfig, rank: int, host: str, port: int, local_rank: int) -> None:
+    """The rank loop of every backend: join rank 0's group at ``host:port``, load this
+    rank's slices on the device numbered ``local_rank`` among those this process sees, then
+    repeat rank 0's orders until it says stop."""
     world = config.parallel.tensor_parallel_size
     timeout = timedelta(seconds=config.parallel.collective_timeout)
     platform = detect_platform(config.device.device)
     platform.prepare_process()
-    platform.prepare_rank(rank, world)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    platform.prepare_rank(local_rank, world)
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     store.set(f"ready/{rank}", "1")
     dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=world,
                             timeout=timeout)

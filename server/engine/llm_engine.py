@@ -15,7 +15,7 @@ from server.cache_dir import writable_cache_dir
 from server.config import EngineConfig, ExecutionMode
 from server.engine.block_manager import BlockManager
 from server.engine.errors import EngineFaultError, RequestError
-from server.engine.executor import MultiprocExecutor
+from server.engine.executor import RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
 from server.engine.model_runner import ModelRunner, ModelRunnerOutput
 from server.engine.output_processor import OutputProcessor, ProcessedStep, RequestState
@@ -68,9 +68,9 @@ class LLMEngine:
         platform = detect_platform(config.device.device)
         platform.prepare_process()
         # --tensor-parallel-size: the other ranks start first and load alongside this one
-        self.executor: MultiprocExecutor | None = None
+        self.executor: RankExecutor | None = None
         if config.parallel.tensor_parallel_size > 1:
-            self.executor = MultiprocExecutor(config, platform)
+            self.executor = make_executor(config, platform)
         try:
             self._build(config, platform)
         except BaseException:

@@ -1,9 +1,10 @@
 """The tensor-parallel process group and the few collectives the model and engine use.
 
-Every rank is one process on this host; they meet over a loopback TCP store that rank 0
-opens. The backend is the platform's (``Platform.dist_backend``: hccl on Gaudi, nccl on
-CUDA, gloo on CPU). At world size 1 no group exists and every collective returns its input
-untouched, so single-device serving runs exactly the code it ran before.
+Every rank is one process: on this host (the mp executor), or a Ray actor on any node of a
+Ray cluster; they meet at a TCP store that rank 0 opens (on loopback, or at the address of
+rank 0's node for Ray). The backend is the platform's (``Platform.dist_backend``: hccl on
+Gaudi, nccl on CUDA, gloo on CPU). At world size 1 no group exists and every collective
+returns its input untouched, so single-device serving runs exactly the code it ran before.
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ SINGLE = ParallelContext()  # world size 1: what every caller gets when it passe
 
 
 def free_port() -> int:
-    """An unused loopback TCP port for the rendezvous store."""
+    """A TCP port unused on every interface, for the rendezvous store (under Ray, ranks on
+    other hosts reach it at the node's address, not loopback)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return int(s.getsockname()[1])
 
 

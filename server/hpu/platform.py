@@ -66,8 +66,10 @@ class Platform:
         """Process-wide settings wanted before the model is loaded."""
 
     def prepare_rank(self, rank: int, world_size: int) -> None:
-        """Tensor parallelism: this process serves rank ``rank`` of ``world_size`` on this
-        host. An accelerator takes the rank's own device (one device per rank)."""
+        """Tensor parallelism: this process serves one rank of ``world_size``, on its own
+        device. ``rank`` is that device's index among the devices this process sees: the
+        rank itself under the mp executor (all ranks on this host), 0 in a Ray actor (Ray
+        shows it only its own device), the device Ray set aside for rank 0 in the server."""
         if world_size == 1 or self.device.type == "cpu":
             return
         self.device = torch.device(self.device.type, rank)

@@ -140,9 +140,19 @@ def test_shard_plan_kv_heads_and_vocab(tiny_model_factory) -> None:
         ShardPlan.build(cfg, 0, 3)  # 4 query heads
 
 
-def test_ray_backend_is_refused() -> None:
-    with pytest.raises(ValueError, match="ray is not supported"):
+def test_ray_backend_needs_the_ray_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an optional dependency: refused up front, with the install command, where missing
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'hpu-serve\[ray\]'"):
         make_engine_config(distributed_executor_backend="ray", tensor_parallel_size=2)
+    # one rank starts no executor: nothing to need
+    make_engine_config(distributed_executor_backend="ray", tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="must be mp or ray"):
+        make_engine_config(distributed_executor_backend="dask", tensor_parallel_size=2)
 
 
 def test_tensor_parallel_flags() -> None:
@@ -153,6 +163,8 @@ def test_tensor_parallel_flags() -> None:
                                       "mp"])
     parallel = engine_config_from_args(args, {}).parallel
     assert (parallel.tensor_parallel_size, parallel.distributed_executor_backend) == (4, "mp")
+    args = build_parser().parse_args(["serve", "--distributed-executor-backend", "ray"])
+    assert args.distributed_executor_backend == "ray"
     assert make_engine_config(environ={}).parallel.tensor_parallel_size == 1
 
 
