@@ -80,10 +80,20 @@ def test_preemption_and_aborts_release_shared_blocks(tiny_model) -> None:
     assert engine.stats().prefix_cache_hits == hits
 
 
-def test_compile_mode_serves_without_caching(tiny_model, tmp_path) -> None:
+def test_compile_mode_caches_through_context_buckets(tiny_model, tmp_path) -> None:
+    """With compiled graphs a cache hit runs alone in a prompt bucket with context blocks:
+    the same tokens as the miss, no bucket miss, no compilation while serving."""
     buckets = tmp_path / "b.txt"
-    buckets.write_text("(1, 64, 0)\n(2, 1, 16)\n")
-    llm = LLM(tiny_model[0], dtype="float32", block_size=BLOCK, max_num_seqs=2,
+    buckets.write_text("(1, [16, 64], [0, 2, 4])\n(1, 1, [4, 8])\n")
+    llm = LLM(tiny_model[0], dtype="float32", block_size=BLOCK, max_num_seqs=1,
               max_model_len=128, execution_mode="compile",
               environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
-    assert not llm.engine.block_manager.enable_caching
+    assert llm.engine.block_manager.enable_caching
+    prompt = prompts_with_shared_prefixes(300)[0]  # 51 tokens: 3 full blocks + 3
+    first = outputs(llm, [prompt], max_tokens=4)
+    assert outputs(llm, [prompt], max_tokens=4) == first
+    counters = llm.engine.counters
+    assert llm.engine.stats().prefix_cache_hits == 48  # (1, 16, 4): 3 new tokens after 3 blocks
+    assert counters.compilations(stage="serving") == 0
+    assert sum(counters._misses.labels(counters.model_name, p)._value.get()
+               for p in ("prompt", "decode")) == 0
