@@ -124,6 +124,11 @@ class ModelRunner:
                                        self.counters)
             for line in format_plan(ranges).splitlines():
                 logger.info("%s", line)
+        self.counters.observed.describe(
+            block_size=self.block_size,
+            limits={"max_model_len": limits.max_model_len, "max_num_seqs": limits.max_num_seqs,
+                    "max_num_batched_tokens": self.token_budget},
+            plan=self.shapes.buckets if self.shapes is not None else None)
 
     @property
     def pad_block_id(self) -> int:
@@ -175,6 +180,9 @@ class ModelRunner:
             ctx = max(-(-s.num_computed_tokens // self.block_size) for s in seqs)
         else:
             bs, size = len(seqs), sum(len(s.block_table) for s in seqs)
+        # every step's unpadded shape, bucketing on or off: the traffic a plan is fitted to
+        self.counters.observed.record(phase, exact_bucket(phase, bs, size, ctx),
+                                      sum(new_tokens))
         if self.shapes is None:
             return exact_bucket(phase, bs, size, ctx)
         return self.shapes.pad(phase, bs, size, ctx)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
+from server.hpu.shape_stats import ShapeStats
+
 # vLLM exposes no *_created series; neither do we (they double every counter).
 disable_created_metrics()
 
@@ -52,6 +54,8 @@ class DeviceCounters:
             for state in ("planned", "warmed", "captured"):
                 self._buckets.labels(model_name, phase, state)
         self._warmup_seconds.labels(model_name)
+        # unpadded step shapes and per-bucket warmup cost, for fitting the bucket plan
+        self.observed = ShapeStats(model_name, r)
         self._totals: dict[tuple[str, str], int] = {}
 
     def cache_config(self, block_size: int, dtype: object, num_blocks: int,
