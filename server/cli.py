@@ -36,6 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
     buckets.add_argument("--block-size", type=int, default=128)
     buckets.add_argument("--num-gpu-blocks-override", type=int, default=None,
                          help="KV blocks of the cache, for the decode block clamp")
+    fit = buckets.add_argument_group("fitting a plan to observed traffic")
+    fit.add_argument("--suggest", action="store_true",
+                     help="write a bucket file fitted to the shapes a server observed")
+    fit.add_argument("--from", dest="source", metavar="URL_OR_JSON",
+                     help="a server's base URL (GET /buckets/observed) or a saved JSON dump")
+    fit.add_argument("--api-key", default=None,
+                     help="bearer key for --from URL (default: $VLLM_API_KEY)")
+    budget = fit.add_mutually_exclusive_group()
+    budget.add_argument("--max-buckets", type=int, default=None,
+                        help="at most this many buckets (prompt + decode)")
+    budget.add_argument("--warmup-budget", type=float, default=None, metavar="SECONDS",
+                        help="at most this much estimated warmup (from measured per-bucket "
+                        "costs); default: the current plan's, or its bucket count")
+    fit.add_argument("--kv-weight", type=float, default=None,
+                     help="cost of a padded KV position in padded query tokens (default "
+                     "1/16)")
+    fit.add_argument("--output", "-o", default="buckets.suggested.txt",
+                     help="the VLLM_BUCKETING_FROM_FILE file to write")
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
                            "synthetic streaming workload",
@@ -52,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "buckets":
+        if args.suggest:
+            from server.bucket_suggest import suggest_buckets
+
+            return suggest_buckets(args)
         return print_buckets(args)
     if args.command == "platforms":
         return print_platforms()
