@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from server.config import BucketingConfig
+from server.config import BucketingConfig, api_key_from_env
 from server.hpu.bucket_fit import (
     KV_WEIGHT,
     Observed,
@@ -73,7 +72,7 @@ def suggest_buckets(args: argparse.Namespace) -> int:
         raise SystemExit("error: --suggest needs --from URL_OR_JSON")
     try:
         obs = Observed.from_json(load_observed(args.source,
-                                               args.api_key or os.environ.get("VLLM_API_KEY")))
+                                               api_key_from_env(args.api_key)))
     except (OSError, ValueError, KeyError) as exc:
         raise SystemExit(f"error: cannot read observed shapes from {args.source}: {exc}")
     warmup = WarmupModel(obs.warmup)

@@ -515,6 +515,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
 
 
+def api_key_from_env(given: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``--api-key`` if given, else ``VLLM_API_KEY`` (the server's rule, for clients too)."""
+    env = os.environ if environ is None else environ
+    return given or env.get("VLLM_API_KEY") or None
+
+
 def server_config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> ServerConfig:
