@@ -91,7 +91,8 @@ def suggest_buckets(args: argparse.Namespace) -> int:
     kv_weight = KV_WEIGHT if args.kv_weight is None else args.kv_weight
     try:
         plan = suggest(obs, max_buckets=max_buckets, warmup_budget=budget,
-                       kv_weight=kv_weight, warmup=warmup)
+                       kv_weight=kv_weight, warmup=warmup,
+                       cover_limits=not args.observed_only)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
     fitted = evaluate(obs, plan, warmup)

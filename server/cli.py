@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "costs); default: the current plan's, or its bucket count")
     fit.add_argument("--kv-weight", type=float, default=None,
                      help="cost of a padded KV position in padded query tokens (default "
-                     "1/16)")
+                     "1/256)")
+    fit.add_argument("--observed-only", action="store_true",
+                     help="cover only the observed envelope, not the engine's limits (fewer "
+                     "buckets; larger traffic then misses and compiles)")
     fit.add_argument("--output", "-o", default="buckets.suggested.txt",
                      help="the VLLM_BUCKETING_FROM_FILE file to write")
     sub.add_parser("platforms", help="list discovered platforms and the one selected")

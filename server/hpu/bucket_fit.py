@@ -26,7 +26,9 @@ rules: a prefill with context runs alone):
    uses are never warmed). A landing point that the engine would reject (decode rows beyond
    blocks, a prompt beyond the token budget) is replaced by a valid one still dominating it.
    Each group also keeps its corner (the largest cut of every dimension), so a later shape
-   anywhere inside the observed envelope still fits a bucket.
+   anywhere inside the observed envelope still fits a bucket; by default the largest cut of
+   each dimension is the engine's limit (not the largest value observed), so the corner
+   holds any step the engine can schedule: unforeseen traffic pads more, but never misses.
 3. Greedy allocation: start at k = 1 everywhere; repeatedly take the single ``k += 1`` with
    the best padding saved per unit of budget spent (buckets, or estimated warmup seconds),
    among those that keep the plan within budget; stop when none does.
@@ -48,7 +50,10 @@ from server.hpu.shape_stats import FORMAT
 from server.hpu.shapes import smallest_dominating
 from server.hpu.types import Bucket, Phase
 
-KV_WEIGHT = 1 / 16  # a padded KV position, in padded query tokens (tunable: --kv-weight)
+# A padded KV position in padded query tokens (--kv-weight): a padded query token runs
+# through every layer's matmuls, a padded KV position is only read by attention; 1/256
+# makes a 128-token block weigh half a padded token.
+KV_WEIGHT = 1 / 256
 MAX_CANDIDATES = 192  # per dimension; more distinct values are thinned (rounded up)
 MAX_CUTS = 64  # per dimension
 
@@ -220,23 +225,34 @@ class _Group:
     cuts: list[list[list[int]]]  # per dim, per k-1: the cut values
 
 
-def _groups(obs: Observed, kv_weight: float) -> list[_Group]:
+def _groups(obs: Observed, kv_weight: float, cover_limits: bool) -> list[_Group]:
     B = obs.block_size
+    lim = obs.limits if cover_limits and obs.limits else {}
+    # the largest value each dimension can take within the engine's limits (when known)
+    query_top = min(lim.get("max_num_batched_tokens", 0), lim.get("max_model_len", 0))
+    per_seq = -(-lim.get("max_model_len", 0) // B)
+    blocks_top = lim.get("max_num_seqs", 0) * per_seq
+    if lim.get("num_blocks"):
+        blocks_top = min(blocks_top, 3 * lim["num_blocks"])  # the reference's clamp
     out = []
     prompt = [(*s, n) for s, n in obs.shapes[Phase.PROMPT].items()]
     for with_ctx in (False, True):
         rows = np.array([r for r in prompt if (r[2] > 0) == with_ctx], dtype=np.int64)
         if len(rows):
             dims = (1, 2) if with_ctx else (0, 1)
-            out.append(_fit_group(Phase.PROMPT, dims, rows, B, kv_weight))
+            tops = {1: query_top // B * B, 2: max(per_seq - 1, 0)}
+            out.append(_fit_group(Phase.PROMPT, dims, rows, B, kv_weight, tops))
     rows = np.array([(*s, n) for s, n in obs.shapes[Phase.DECODE].items()], dtype=np.int64)
     if len(rows):
-        out.append(_fit_group(Phase.DECODE, (0, 2), rows, B, kv_weight))
+        tops = {0: lim.get("max_num_seqs", 0), 2: blocks_top}
+        out.append(_fit_group(Phase.DECODE, (0, 2), rows, B, kv_weight, tops))
     return out
 
 
 def _fit_group(phase: Phase, dims: tuple[int, int], rows: np.ndarray, B: int,
-               kv_weight: float) -> _Group:
+               kv_weight: float, tops: Mapping[int, int]) -> _Group:
+    """Candidate cuts per dimension; ``tops``: per dimension, a value the largest cut must
+    reach (the engine's limit) even if no step was that large."""
     if phase is Phase.PROMPT:  # query cuts are multiples of the block size
         rows = rows.copy()
         rows[:, 1] = -(-rows[:, 1] // B) * B
@@ -252,6 +268,8 @@ def _fit_group(phase: Phase, dims: tuple[int, int], rows: np.ndarray, B: int,
         marg: dict[int, float] = {}
         for val, u, n in zip(rows[:, d], unit, rows[:, 3]):
             marg[int(val)] = marg.get(int(val), 0.0) + float(u * n)
+        if tops.get(d, 0) > max(marg):
+            marg[tops[d]] = 0.0  # never a landing value, but the top cut: covers the rest
         values, weights = _thin(marg, MAX_CANDIDATES)
         cuts.append(optimal_cuts(values, weights, MAX_CUTS))
     return _Group(phase, dims, rows, cuts)
@@ -287,11 +305,15 @@ def _landing(group: _Group, ks: tuple[int, int], limits: Mapping[str, int] | Non
 
 def suggest(obs: Observed, *, max_buckets: int | None = None,
             warmup_budget: float | None = None, kv_weight: float = KV_WEIGHT,
-            warmup: WarmupModel | None = None) -> dict[Phase, list[Bucket]]:
+            warmup: WarmupModel | None = None, cover_limits: bool = True
+            ) -> dict[Phase, list[Bucket]]:
     """The plan covering every observed shape with the least padding within the budget
-    (bucket count and/or estimated warmup seconds); see the module docstring."""
+    (bucket count and/or estimated warmup seconds); see the module docstring.
+    ``cover_limits``: the largest buckets reach the engine's limits (known from the dump),
+    so traffic larger than any observed still finds a bucket; otherwise only the observed
+    envelope is covered."""
     warmup = warmup or WarmupModel(obs.warmup)
-    groups = _groups(obs, kv_weight)
+    groups = _groups(obs, kv_weight, cover_limits)
     B = obs.block_size
     cache: dict[tuple[int, tuple[int, int]], tuple[float, dict[Bucket, None], float]] = {}
 
@@ -307,7 +329,12 @@ def suggest(obs: Observed, *, max_buckets: int | None = None,
                          (n * (land[:, 2] - g.shapes[:, 2])).sum())
             buckets = dict.fromkeys(tuple(int(x) for x in b) for b in np.unique(land, axis=0))
             # the group's corner too: any later shape inside the observed envelope fits
-            corner = (int(land[:, 0].max()), int(land[:, 1].max()), int(land[:, 2].max()))
+            top = [int(land[:, d].max()) for d in range(3)]
+            for axis, d in enumerate(g.dims):
+                top[d] = max(top[d], g.cuts[axis][ks[axis] - 1][-1])
+            if g.phase is Phase.DECODE and obs.limits and "max_model_len" in obs.limits:
+                top[2] = min(top[2], top[0] * -(-obs.limits["max_model_len"] // B))
+            corner = (top[0], top[1], top[2])
             if g.phase is Phase.DECODE or corner[0] * corner[1] <= (obs.limits or {}).get(
                     "max_num_batched_tokens", 1 << 62):
                 buckets[corner] = None

@@ -123,3 +123,13 @@ def test_cli_suggest_from_a_saved_dump(tmp_path, capsys) -> None:
     ranges = resolve_ranges(BucketingConfig(file=str(out)), block_size=16, max_model_len=2048,
                             max_num_seqs=32, max_num_batched_tokens=4096, with_context=True)
     assert len(prompt_buckets(ranges)) + len(decode_buckets(ranges)) == len(buckets)
+
+
+def test_largest_buckets_reach_the_engine_limits_unless_told_otherwise() -> None:
+    obs = Observed.from_json(recorded().snapshot())
+    planner = ShapePlanner(*suggest(obs, max_buckets=40).values(), DeviceCounters("m"))
+    # larger than anything observed, within the limits: still a bucket (padding, no compile)
+    assert planner.find(Phase.DECODE, 32, 32 * 128) is not None
+    assert planner.find(Phase.PROMPT, 1, 2048) is not None
+    envelope = suggest(obs, max_buckets=40, cover_limits=False)
+    assert max(b[2] for b in envelope[Phase.DECODE]) == max(s[2] for s in obs.shapes[Phase.DECODE])
