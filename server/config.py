@@ -461,7 +461,8 @@ class ServerConfig:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="or VLLM_API_KEY; protects /v1/* and /reset_prefix_cache")
+    parser.add_argument("--api-key", default=None, help="or VLLM_API_KEY; protects /v1/*, "
+                        "/reset_prefix_cache and /buckets/observed")
     parser.add_argument("--max-waiting-requests", type=int, default=0,
                         help="answer 503 once this many requests wait (0: unbounded)")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
