@@ -58,6 +58,7 @@ class ShapeStats:
         self._coarsened: dict[Phase, int] = {p: 0 for p in Phase}
         self._warmup: dict[Phase, dict[Bucket, float]] = {p: {} for p in Phase}
         self._context: dict[str, Any] = {}
+        self._plan: Mapping[Phase, Sequence[Bucket]] | None = None
         self._sizes = Histogram(
             "hpu_serve:step_shape", "Unpadded step shapes by phase and dimension (rows, "
             "query tokens, context blocks) before bucket padding.",
@@ -74,9 +75,8 @@ class ShapeStats:
                  plan: Mapping[Phase, Sequence[Bucket]] | None) -> None:
         """What the JSON dump carries besides counts: the block size, the engine limits and
         the plan in use (``None`` when bucketing is off), so a suggestion can compare."""
-        self._context = {"block_size": block_size, "limits": dict(limits),
-                         "plan": None if plan is None else
-                         {str(p): [list(b) for b in plan[p]] for p in Phase}}
+        self._context = {"block_size": block_size, "limits": dict(limits)}
+        self._plan = plan  # kept by reference: buckets added while serving show up too
 
     def record(self, phase: Phase, shape: Bucket, real_tokens: int) -> None:
         """One step of unpadded ``shape`` (``exact_bucket`` form) carrying ``real_tokens``."""
@@ -111,5 +111,7 @@ class ShapeStats:
                       for p in Phase}
             warmup = {str(p): [[*b, round(s, 6)] for b, s in sorted(self._warmup[p].items())]
                       for p in Phase}
+        plan = None if self._plan is None else {
+            str(p): [list(b) for b in list(self._plan[p])] for p in Phase}
         return {"format": FORMAT, "model_name": self.model_name, **self._context,
-                "phases": phases, "warmup_seconds": warmup}
+                "plan": plan, "phases": phases, "warmup_seconds": warmup}
