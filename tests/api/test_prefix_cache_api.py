@@ -57,3 +57,13 @@ def test_observed_shapes_behind_the_key(keyed_server) -> None:
     assert decode["steps"] == before["phases"]["decode"]["steps"] + 3
     assert [1, 1, 3] in [s[:3] for s in decode["shapes"]]
     assert counter(url, "hpu_serve:step_shape_count") >= 4 * 2
+
+
+def test_suggest_reads_a_live_server_with_its_key(keyed_server, tmp_path, capsys) -> None:
+    from server.cli import main
+    from server.hpu.bucketing import parse_bucket_file
+
+    out = tmp_path / "buckets.txt"
+    assert main(["buckets", "--suggest", "--from", keyed_server.base_url, "--api-key", "k3y",
+                 "--max-buckets", "40", "-o", str(out)]) == 0
+    assert "suggested" in capsys.readouterr().out and parse_bucket_file(str(out))
