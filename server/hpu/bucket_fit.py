@@ -312,6 +312,9 @@ def suggest(obs: Observed, *, max_buckets: int | None = None,
     ``cover_limits``: the largest buckets reach the engine's limits (known from the dump),
     so traffic larger than any observed still finds a bucket; otherwise only the observed
     envelope is covered."""
+    empty = [str(p) for p in Phase if not obs.shapes[p]]
+    if empty:  # a plan without them would make every such step a miss
+        raise ValueError(f"no {' or '.join(empty)} steps observed yet: serve traffic first")
     warmup = warmup or WarmupModel(obs.warmup)
     groups = _groups(obs, kv_weight, cover_limits)
     B = obs.block_size

@@ -133,3 +133,11 @@ def test_largest_buckets_reach_the_engine_limits_unless_told_otherwise() -> None
     assert planner.find(Phase.PROMPT, 1, 2048) is not None
     envelope = suggest(obs, max_buckets=40, cover_limits=False)
     assert max(b[2] for b in envelope[Phase.DECODE]) == max(s[2] for s in obs.shapes[Phase.DECODE])
+
+
+def test_nothing_observed_yet_is_refused() -> None:
+    stats = ShapeStats("m", CollectorRegistry())
+    stats.record(Phase.PROMPT, (1, 20, 0), 20)
+    stats.describe(block_size=16, limits=LIMITS, plan=None)
+    with pytest.raises(ValueError, match="no decode steps observed"):
+        suggest(Observed.from_json(stats.snapshot()), max_buckets=10)
