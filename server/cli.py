@@ -39,6 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--enable-chunked-prefill", "--enable-prefix-caching"):
         buckets.add_argument(flag, action=argparse.BooleanOptionalAction, default=True,
                              help="as for serve: either one adds context-block prompt buckets")
+    fit = buckets.add_argument_group("fitting a plan to observed traffic")
+    fit.add_argument("--suggest", action="store_true",
+                     help="write a bucket file fitted to the shapes a server observed")
+    fit.add_argument("--from", dest="source", metavar="URL_OR_JSON",
+                     help="a server's base URL (GET /buckets/observed) or a saved JSON dump")
+    fit.add_argument("--api-key", default=None,
+                     help="bearer key for --from URL (default: $VLLM_API_KEY)")
+    budget = fit.add_mutually_exclusive_group()
+    budget.add_argument("--max-buckets", type=int, default=None,
+                        help="at most this many buckets (prompt + decode)")
+    budget.add_argument("--warmup-budget", type=float, default=None, metavar="SECONDS",
+                        help="at most this much estimated warmup (from measured per-bucket "
+                        "costs); default: the current plan's, or its bucket count")
+    fit.add_argument("--kv-weight", type=float, default=None,
+                     help="cost of a padded KV position in padded query tokens (default "
+                     "1/256)")
+    fit.add_argument("--observed-only", action="store_true",
+                     help="cover only the observed envelope, not the engine's limits (fewer "
+                     "buckets; larger traffic then misses and compiles)")
+    fit.add_argument("--output", "-o", default="buckets.suggested.txt",
+                     help="the VLLM_BUCKETING_FROM_FILE file to write")
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
                            "synthetic streaming workload",
@@ -55,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "buckets":
+        if args.suggest:
+            from server.bucket_suggest import suggest_buckets
+
+            return suggest_buckets(args)
         return print_buckets(args)
     if args.command == "platforms":
         return print_platforms()

@@ -160,6 +160,12 @@ class BucketingConfig:
     prompt_ctx: DimOverride = (None, None, None)
     decode_bs: DimOverride = (None, None, None)
     decode_block: DimOverride = (None, None, None)
+    # --bucketing-strategy adaptive (or VLLM_BUCKETING_STRATEGY=adaptive): the exp plan, plus
+    # buckets added while serving where observed traffic pads a lot (server.hpu.adaptive)
+    adaptive: bool = False
+    adaptive_interval: int = 256  # HPU_SERVE_ADAPTIVE_INTERVAL: steps between re-plans
+    adaptive_min_saving: float = 0.01  # HPU_SERVE_ADAPTIVE_MIN_SAVING: of computed tokens
+    adaptive_max_added: int = 32  # HPU_SERVE_ADAPTIVE_MAX_ADDED
 
     def __post_init__(self) -> None:
         if self.strategy not in ("exp", "lin"):
@@ -168,8 +174,10 @@ class BucketingConfig:
             raise ValueError(f"VLLM_BUCKETING_FROM_FILE: no such file {self.file!r}")
 
 
-def bucketing_config_from_env(environ: Mapping[str, str] | None = None) -> BucketingConfig:
-    """Parses the ``VLLM_*`` bucketing variables; a bad value fails naming the variable."""
+def bucketing_config_from_env(environ: Mapping[str, str] | None = None,
+                              strategy: str | None = None) -> BucketingConfig:
+    """Parses the ``VLLM_*`` bucketing variables; a bad value fails naming the variable.
+    ``strategy`` (``--bucketing-strategy``) takes precedence over VLLM_BUCKETING_STRATEGY."""
     env = os.environ if environ is None else environ
 
     def dim(phase: str, name: str) -> DimOverride:
@@ -177,11 +185,16 @@ def bucketing_config_from_env(environ: Mapping[str, str] | None = None) -> Bucke
                         for k in ("MIN", "STEP", "MAX"))
         return lo, step, hi
 
-    strategy = env.get("VLLM_BUCKETING_STRATEGY", "").strip().lower() or (
+    strategy = (strategy or env.get("VLLM_BUCKETING_STRATEGY", "")).strip().lower() or (
         "exp" if _bool(env, "VLLM_EXPONENTIAL_BUCKETING", True) else "lin")
+    adaptive = strategy == "adaptive"
     return BucketingConfig(
         enabled=_bool(env, "VLLM_ENABLE_BUCKETING", True),
-        strategy=strategy,
+        strategy="exp" if adaptive else strategy,
+        adaptive=adaptive,
+        adaptive_interval=_optional_int(env, "HPU_SERVE_ADAPTIVE_INTERVAL") or 256,
+        adaptive_min_saving=_float(env, "HPU_SERVE_ADAPTIVE_MIN_SAVING", 0.01),
+        adaptive_max_added=_optional_int(env, "HPU_SERVE_ADAPTIVE_MAX_ADDED") or 32,
         file=env.get("VLLM_BUCKETING_FROM_FILE") or None,
         prompt_bs=dim("PROMPT", "BS"), prompt_seq=dim("PROMPT", "SEQ"),
         prompt_ctx=dim("PROMPT", "CTX"),
@@ -277,6 +290,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--bucketing-strategy", default=None, choices=["exp", "lin", "adaptive"],
+                        help="bucket plan (default: VLLM_BUCKETING_STRATEGY, else exp); "
+                             "adaptive: exp plus buckets warmed while serving where the "
+                             "observed traffic pads a lot")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="reuse the KV blocks of a prompt prefix computed before (full "
@@ -346,7 +363,7 @@ def engine_config_from_args(
             prompt_strategy=env.get("VLLM_GRAPH_PROMPT_STRATEGY", "min_tokens"),
             decode_strategy=env.get("VLLM_GRAPH_DECODE_STRATEGY", "max_bs"),
         ),
-        bucketing=bucketing_config_from_env(env),
+        bucketing=bucketing_config_from_env(env, getattr(args, "bucketing_strategy", None)),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
@@ -466,7 +483,8 @@ class ServerConfig:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="or VLLM_API_KEY; protects /v1/* and /reset_prefix_cache")
+    parser.add_argument("--api-key", default=None, help="or VLLM_API_KEY; protects /v1/*, "
+                        "/reset_prefix_cache and /buckets/observed")
     parser.add_argument("--max-waiting-requests", type=int, default=0,
                         help="answer 503 once this many requests wait (0: unbounded)")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
@@ -518,6 +536,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def api_key_from_env(given: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``--api-key`` if given, else ``VLLM_API_KEY`` (the server's rule, for clients too)."""
+    env = os.environ if environ is None else environ
+    return given or env.get("VLLM_API_KEY") or None
 
 
 def server_config_from_args(

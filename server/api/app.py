@@ -123,6 +123,12 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         """Drops every cached prompt prefix (vLLM's endpoint; behind --api-key)."""
         return ResetPrefixCacheResponse(dropped_blocks=await ctx.engine.reset_prefix_cache())
 
+    @app.get("/buckets/observed")
+    async def buckets_observed() -> JSONResponse:
+        """Unpadded step shapes seen so far and per-bucket warmup seconds, the input of
+        ``hpu-serve buckets --suggest`` (behind --api-key)."""
+        return JSONResponse(ctx.engine.observed_shapes())
+
     @app.get("/health")
     async def health() -> Response:
         if not ctx.engine.is_alive:

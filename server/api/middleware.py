@@ -21,8 +21,9 @@ async def _reply(send: Any, status: int, message: str, close: bool = False) -> N
     await send({"type": "http.response.body", "body": body})
 
 
-# Paths behind --api-key: the OpenAI API and the cache administration.
-PROTECTED = ("/v1", "/reset_prefix_cache")
+# Paths behind --api-key: the OpenAI API, the cache administration and the traffic shape
+# telemetry (it reveals prompt lengths and load).
+PROTECTED = ("/v1", "/reset_prefix_cache", "/buckets")
 
 class GuardMiddleware:
     """Checks the bearer key on /v1/*, caps body size, and tags responses with X-Request-Id.

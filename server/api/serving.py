@@ -64,6 +64,10 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def observed_shapes(self) -> dict[str, Any]:
+        """The engine's histogram of unpadded step shapes and per-bucket warmup seconds, as
+        JSON-ready data (``GET /buckets/observed``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ServingContext:

@@ -146,6 +146,11 @@ class AsyncEngine:
         self._commands.put(CallOnEngineThread(self.engine.reset_prefix_cache, (), future))
         return await asyncio.wrap_future(future)
 
+    def observed_shapes(self) -> dict[str, Any]:
+        """Step shapes seen and per-bucket warmup cost (a lock-guarded copy: no need to wait
+        for the engine thread)."""
+        return self.engine.counters.observed.snapshot()
+
     @property
     def model_name(self) -> str:
         return self.engine.model_name

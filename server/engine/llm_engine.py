@@ -200,6 +200,7 @@ class LLMEngine:
                 continue
             outputs += self._step_batch(batch if len(live) == len(batch.seqs)
                                         else batch.subset(live))
+        self.runner.between_steps()  # adaptive bucketing warms here, outside any step
         return outputs
 
     def _step_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:

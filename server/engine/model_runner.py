@@ -9,6 +9,7 @@ the graph runner of the execution mode and the bucket shapes, and warms them up.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from server.engine.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import SchedulerLimits
 from server.engine.sequence import ScheduledBatch, Sequence
+from server.hpu.adaptive import AdaptiveBuckets
 from server.hpu.bucketing import decode_buckets, format_plan, prompt_buckets, resolve_ranges
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE, ParallelContext
@@ -124,6 +126,21 @@ class ModelRunner:
                                        self.counters)
             for line in format_plan(ranges).splitlines():
                 logger.info("%s", line)
+        self.adaptive: AdaptiveBuckets | None = None
+        if self.shapes is not None and config.bucketing.adaptive:
+            b = config.bucketing
+            self.adaptive = AdaptiveBuckets(
+                self.shapes, self.counters, self.block_size,
+                {"max_model_len": limits.max_model_len,
+                 "max_num_batched_tokens": self.token_budget},
+                interval=b.adaptive_interval, min_saving=b.adaptive_min_saving,
+                max_added=b.adaptive_max_added)
+        self._free_after_warmup = 0
+        self.counters.observed.describe(
+            block_size=self.block_size,
+            limits={"max_model_len": limits.max_model_len, "max_num_seqs": limits.max_num_seqs,
+                    "max_num_batched_tokens": self.token_budget, "num_blocks": self.num_blocks},
+            plan=self.shapes.buckets if self.shapes is not None else None)
 
     @property
     def pad_block_id(self) -> int:
@@ -175,6 +192,9 @@ class ModelRunner:
             ctx = max(-(-s.num_computed_tokens // self.block_size) for s in seqs)
         else:
             bs, size = len(seqs), sum(len(s.block_table) for s in seqs)
+        # every step's unpadded shape, bucketing on or off: the traffic a plan is fitted to
+        self.counters.observed.record(phase, exact_bucket(phase, bs, size, ctx),
+                                      sum(new_tokens))
         if self.shapes is None:
             return exact_bucket(phase, bs, size, ctx)
         return self.shapes.pad(phase, bs, size, ctx)
@@ -187,7 +207,41 @@ class ModelRunner:
                             lambda: self.platform.free_memory_bytes()[0])
         logger.info("Execution mode: %s", self.graphs.description)
         with torch.inference_mode():
-            return run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+            seconds = run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+        self._free_after_warmup = self.platform.free_memory_bytes()[0]
+        return seconds
+
+    def between_steps(self) -> None:
+        """Adaptive bucketing: maybe warm one more bucket. Called by the engine between
+        steps (never inside one), so no request's step waits on a half-built graph."""
+        if self.adaptive is None:
+            return
+        found = self.adaptive.propose()
+        if found is None:
+            return
+        phase, bucket = found
+        capture = self.graphs.captures_graphs and self._graph_memory_to_spare()
+        if self.graphs.captures_graphs and not capture:
+            # graph memory spent: a bucket that cannot be captured is not worth a stall
+            return
+        stage, self.counters.stage = self.counters.stage, "warmup"  # counted as warmup
+        began = time.monotonic()
+        try:
+            with torch.inference_mode():
+                self.graphs.warm(phase, bucket, self.inputs.dummy(phase, bucket))
+                if capture:
+                    self.graphs.capture(phase, bucket, self.inputs.dummy(phase, bucket))
+        finally:
+            self.counters.stage = stage
+        self.counters.observed.warmed(phase, bucket, time.monotonic() - began)
+        self.adaptive.added(phase, bucket)
+
+    def _graph_memory_to_spare(self) -> bool:
+        """Graphs added while serving may use another VLLM_GRAPH_RESERVED_MEM share of the
+        memory that was free after warmup, no more (the KV cache and activations need it)."""
+        free = self.platform.free_memory_bytes()[0]
+        floor = self._free_after_warmup * (1 - self.warmup_config.graph_reserved_mem)
+        return free > 0 and free >= floor
 
     def warm_sampler(self, bs: int, config: tuple[float, float, int]) -> None:
         """Runs the sampler on random logits with one of the reference's configurations."""

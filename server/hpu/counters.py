@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
+from server.hpu.shape_stats import ShapeStats
+
 # vLLM exposes no *_created series; neither do we (they double every counter).
 disable_created_metrics()
 
@@ -36,6 +38,9 @@ class DeviceCounters:
                              ["model_name", "phase"], registry=r)
         self._buckets = Gauge("hpu_serve:warmup_buckets", "Buckets planned / warmed / captured.",
                               ["model_name", "phase", "state"], registry=r)
+        self._added = Counter("hpu_serve:buckets_added", "Buckets added while serving "
+                              "(--bucketing-strategy adaptive), warmed between steps.",
+                              ["model_name", "phase"], registry=r)
         self._warmup_seconds = Gauge("hpu_serve:warmup_seconds", "Duration of the warmup.",
                                      ["model_name"], registry=r)
         self._cache_info = Gauge("vllm:cache_config_info", "Information of the KV cache.",
@@ -49,9 +54,13 @@ class DeviceCounters:
             self._misses.labels(model_name, phase)
             self._padded.labels(model_name, phase)
             self._real.labels(model_name, phase)
+            if phase != "sampler":
+                self._added.labels(model_name, phase)
             for state in ("planned", "warmed", "captured"):
                 self._buckets.labels(model_name, phase, state)
         self._warmup_seconds.labels(model_name)
+        # unpadded step shapes and per-bucket warmup cost, for fitting the bucket plan
+        self.observed = ShapeStats(model_name, r)
         self._totals: dict[tuple[str, str], int] = {}
 
     def cache_config(self, block_size: int, dtype: object, num_blocks: int,
@@ -79,6 +88,12 @@ class DeviceCounters:
 
     def set_buckets(self, phase: str, state: str, count: int) -> None:
         self._buckets.labels(self.model_name, phase, state).set(count)
+
+    def bucket_added(self, phase: str, planned: int) -> None:
+        """One more bucket warmed while serving; ``planned``: the phase's buckets now."""
+        self._added.labels(self.model_name, str(phase)).inc()
+        for state in ("planned", "warmed"):
+            self.set_buckets(str(phase), state, planned)
 
     def set_warmup_seconds(self, seconds: float) -> None:
         self._warmup_seconds.labels(self.model_name).set(seconds)

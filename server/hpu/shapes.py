@@ -31,12 +31,7 @@ class ShapePlanner:
     def find(self, phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket | None:
         """The lexicographically smallest bucket dominating (bs, size, ctx), as the
         reference implementation picks it (smallest batch first, not least padding)."""
-        target = exact_bucket(phase, bs, size, ctx)
-        buckets = self.buckets[phase]
-        for bucket in buckets[bisect.bisect_left(buckets, target):]:
-            if all(b >= t for b, t in zip(bucket, target)):
-                return bucket
-        return None
+        return smallest_dominating(self.buckets[phase], exact_bucket(phase, bs, size, ctx))
 
     def prefill_fits(self, num_seqs: int, max_tokens: int, token_budget: int) -> bool:
         """Padding-aware admission: the padded batch must have a bucket, and its padded
@@ -58,6 +53,15 @@ class ShapePlanner:
             logger.warning("Configuration: (%r, %d, %d, %d) was not warmed-up!", str(phase),
                            *exact)
         return exact
+
+
+def smallest_dominating(buckets: Sequence[Bucket], target: Bucket) -> Bucket | None:
+    """The lexicographically smallest of the sorted ``buckets`` that is >= ``target`` in
+    every dimension: the runtime's choice, shared with the plan fitter's replay."""
+    for bucket in buckets[bisect.bisect_left(buckets, target):]:
+        if all(b >= t for b, t in zip(bucket, target)):
+            return bucket
+    return None
 
 
 def exact_bucket(phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:

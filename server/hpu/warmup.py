@@ -70,7 +70,10 @@ def run_warmup(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner, hook
         ordered = sorted(buckets[phase], key=lambda b: (b[0] * max(b[1], b[2]), b), reverse=True)
         for i, bucket in enumerate(ordered, 1):
             _log_step(_LABELS[phase], i, len(ordered), bucket, hooks)
+            began = time.monotonic()
             runner.warm(phase, bucket, hooks.make_inputs(phase, bucket))
+            # per-bucket cost: what a bucket plan's warmup-time budget is made of
+            counters.observed.warmed(phase, bucket, time.monotonic() - began)
         counters.set_buckets(phase, "warmed", len(ordered))
         if not runner.captures_graphs:  # compiled graphs (or recorded ones) replay as they are
             counters.set_buckets(phase, "captured", len(ordered) if runner.mode is not ExecutionMode.EAGER else 0)
@@ -119,7 +122,9 @@ def _capture_graphs(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
             if used >= budgets[phase]:
                 break  # budget spent: the remaining buckets run compiled but uncaptured
             _log_step(f"Graph/{label}", i, len(ordered), bucket, hooks)
+            began = time.monotonic()
             runner.capture(phase, bucket, hooks.make_inputs(phase, bucket))
+            counters.observed.warmed(phase, bucket, time.monotonic() - began)
             used += max(0, before - hooks.free_memory())
             captured.append(bucket)
         counters.set_buckets(phase, "captured", len(captured))

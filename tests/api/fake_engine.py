@@ -77,6 +77,9 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    def observed_shapes(self) -> dict[str, Any]:
+        return {"format": "hpu-serve/observed-shapes/v1", "phases": {}, "warmup_seconds": {}}
+
     async def submit(self, request_id: str, prompt: str | list[int],
                      params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()

@@ -47,7 +47,7 @@ def fuzz_server(tiny_model):
 # Every route of the document, as schemathesis labels them (a guard test keeps this in step
 # with /openapi.json, so a new route cannot go unfuzzed).
 ROUTES = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /health",
-          "POST /reset_prefix_cache",
+          "POST /reset_prefix_cache", "GET /buckets/observed",
           "GET /version", "GET /metrics", "POST /tokenize", "POST /detokenize"]
 CASES: collections.Counter[str] = collections.Counter()
 STATUSES: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)

@@ -38,3 +38,32 @@ def test_shared_prefix_hits_are_counted_and_reset_forgets_them(keyed_server) -> 
     httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
         "model": MODEL_NAME, "prompt": prefix + [6], "max_tokens": 3})
     assert counter(url, "vllm:prefix_cache_hits_total") == 48  # nothing left to hit
+
+
+def test_observed_shapes_behind_the_key(keyed_server) -> None:
+    """GET /buckets/observed: the unpadded step shapes the engine ran, behind --api-key."""
+    url, auth = keyed_server.base_url, {"Authorization": "Bearer k3y"}
+    assert httpx.get(url + "/buckets/observed").status_code == 401
+    before = httpx.get(url + "/buckets/observed", headers=auth).json()
+    resp = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
+        "model": MODEL_NAME, "prompt": list(range(100, 137)), "max_tokens": 4})
+    assert resp.status_code == 200, resp.text
+    after = httpx.get(url + "/buckets/observed", headers=auth).json()
+    assert after["format"] == "hpu-serve/observed-shapes/v1" and after["block_size"] == 16
+    prompt, decode = after["phases"]["prompt"], after["phases"]["decode"]
+    assert prompt["steps"] == before["phases"]["prompt"]["steps"] + 1
+    assert [1, 37, 0] in [s[:3] for s in prompt["shapes"]]  # (bs, query, ctx blocks)
+    # 3 decode steps of one sequence, 3 KV blocks (37..40 tokens)
+    assert decode["steps"] == before["phases"]["decode"]["steps"] + 3
+    assert [1, 1, 3] in [s[:3] for s in decode["shapes"]]
+    assert counter(url, "hpu_serve:step_shape_count") >= 4 * 2
+
+
+def test_suggest_reads_a_live_server_with_its_key(keyed_server, tmp_path, capsys) -> None:
+    from server.cli import main
+    from server.hpu.bucketing import parse_bucket_file
+
+    out = tmp_path / "buckets.txt"
+    assert main(["buckets", "--suggest", "--from", keyed_server.base_url, "--api-key", "k3y",
+                 "--max-buckets", "40", "-o", str(out)]) == 0
+    assert "suggested" in capsys.readouterr().out and parse_bucket_file(str(out))

@@ -61,6 +61,9 @@ def test_buckets_warmed_then_captured_within_the_budget() -> None:
     assert runner.can_replay(Phase.DECODE, (8, 1, 32))
     assert runner.counters.stage == "serving"
     assert runner.counters.compilations(stage="serving") == 0
+    # each bucket's warmup cost was measured (what a warmup-time budget is made of)
+    for phase in Phase:
+        assert sorted(runner.counters.observed.warmup_seconds(phase)) == sorted(BUCKETS[phase])
 
 
 def test_the_budget_stops_capture() -> None:

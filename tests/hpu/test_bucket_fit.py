@@ -1,0 +1,143 @@
+"""Fitting a bucket plan to observed shapes: exact 1-D cuts, coverage (replaying every
+observed shape with the runtime's own choice gives 0 misses), budgets respected, and the
+CLI end to end on a saved JSON dump."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from server.cli import main
+from server.config import BucketingConfig
+from server.hpu.bucket_fit import Observed, WarmupModel, evaluate, optimal_cuts, suggest
+from server.hpu.bucketing import decode_buckets, parse_bucket_file, prompt_buckets, resolve_ranges
+from server.hpu.counters import DeviceCounters
+from server.hpu.shape_stats import ShapeStats
+from server.hpu.shapes import ShapePlanner
+from server.hpu.types import Phase
+
+LIMITS = {"max_model_len": 2048, "max_num_seqs": 32, "max_num_batched_tokens": 4096}
+
+
+def recorded(seed: int = 0, steps: int = 3000) -> ShapeStats:
+    """A synthetic trace through the real recorder: log-normal prompts (some after a cached
+    prefix), decodes of a fluctuating batch; measured warmup of a few buckets."""
+    rng = random.Random(seed)
+    stats = ShapeStats("m", CollectorRegistry())
+    for _ in range(steps // 10):
+        q = min(2000, int(rng.lognormvariate(5.5, 0.9)) + 1)
+        bs = rng.choice([1, 1, 1, 2, 3])
+        if bs * q > LIMITS["max_num_batched_tokens"]:
+            bs = 1
+        ctx = rng.choice([0, 0, 0, rng.randint(1, 8)]) if bs == 1 else 0
+        stats.record(Phase.PROMPT, (bs, q, ctx), bs * q)
+    for _ in range(steps):
+        bs = rng.randint(1, 32)
+        stats.record(Phase.DECODE, (bs, 1, bs * rng.randint(1, 10)), bs)
+    stats.describe(block_size=16, limits=LIMITS, plan=None)
+    stats.warmed(Phase.PROMPT, (1, 128, 0), 2.0)
+    stats.warmed(Phase.PROMPT, (1, 1024, 0), 4.0)
+    stats.warmed(Phase.DECODE, (8, 1, 64), 1.0)
+    return stats
+
+
+def brute_force(values: list[int], weights: list[float], k: int) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(values[:-1], k - 1):
+        cs = sorted(cuts) + [values[-1]]
+        best = min(best, sum(w * (min(c for c in cs if c >= v) - v)
+                             for v, w in zip(values, weights)))
+    return best
+
+
+def test_optimal_cuts_match_brute_force() -> None:
+    rng = random.Random(3)
+    for _ in range(20):
+        values = sorted(rng.sample(range(1, 200), 9))
+        weights = [rng.random() * 5 for _ in values]
+        out = optimal_cuts(values, weights, 9)
+        for k in range(1, 10):
+            cuts = out[k - 1]
+            assert len(cuts) == k and cuts[-1] == values[-1]
+            got = sum(w * (min(c for c in cuts if c >= v) - v) for v, w in zip(values, weights))
+            assert got == pytest.approx(brute_force(values, weights, k))
+
+
+@pytest.mark.parametrize("budget", [dict(max_buckets=12), dict(max_buckets=40),
+                                    dict(warmup_budget=60.0)])
+def test_every_observed_shape_replays_without_a_miss_within_budget(budget) -> None:
+    stats = recorded()
+    obs = Observed.from_json(json.loads(json.dumps(stats.snapshot())))
+    plan = suggest(obs, **budget)
+    warmup = WarmupModel(obs.warmup)
+    cost = evaluate(obs, plan, warmup)
+    if "max_buckets" in budget:
+        assert cost.total_buckets <= budget["max_buckets"]
+    else:
+        assert cost.warmup_seconds <= budget["warmup_budget"] + 1e-6
+    # replay with the runtime's planner itself: not one miss
+    counters = DeviceCounters("m")
+    planner = ShapePlanner(plan[Phase.PROMPT], plan[Phase.DECODE], counters)
+    for phase in Phase:
+        for (bs, q, ctx), _ in obs.shapes[phase].items():
+            size = q if phase is Phase.PROMPT else ctx
+            assert planner.find(phase, bs, size, ctx if phase is Phase.PROMPT else 0) is not None
+    assert sum(cost.misses.values()) == 0
+
+
+def test_more_budget_never_pads_more_and_beats_the_default_plan() -> None:
+    obs = Observed.from_json(recorded().snapshot())
+    warmup = WarmupModel(obs.warmup)
+    pads = [evaluate(obs, suggest(obs, max_buckets=k), warmup).total_padded_tokens
+            for k in (10, 20, 40, 80)]
+    assert pads == sorted(pads, reverse=True)
+    ranges = resolve_ranges(BucketingConfig(), block_size=16, max_model_len=2048,
+                            max_num_seqs=32, max_num_batched_tokens=4096, with_context=True)
+    default = {Phase.PROMPT: prompt_buckets(ranges), Phase.DECODE: decode_buckets(ranges)}
+    base = evaluate(obs, default, warmup)
+    fitted = evaluate(obs, suggest(obs, max_buckets=base.total_buckets), warmup)
+    assert fitted.total_padded_tokens <= 0.7 * base.total_padded_tokens
+
+
+def test_a_budget_below_the_minimal_covering_plan_is_refused() -> None:
+    obs = Observed.from_json(recorded().snapshot())
+    with pytest.raises(ValueError, match="budget too small"):
+        suggest(obs, max_buckets=2)
+
+
+def test_cli_suggest_from_a_saved_dump(tmp_path, capsys) -> None:
+    dump = tmp_path / "observed.json"
+    dump.write_text(json.dumps(recorded().snapshot()))
+    out = tmp_path / "buckets.txt"
+    assert main(["buckets", "--suggest", "--from", str(dump), "--max-buckets", "30",
+                 "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "default exp" in printed and "suggested" in printed and "fewer" in printed
+    buckets = parse_bucket_file(str(out))
+    assert 0 < len(buckets) <= 30
+    # the server loads every line of it with these limits (nothing filtered away)
+    ranges = resolve_ranges(BucketingConfig(file=str(out)), block_size=16, max_model_len=2048,
+                            max_num_seqs=32, max_num_batched_tokens=4096, with_context=True)
+    assert len(prompt_buckets(ranges)) + len(decode_buckets(ranges)) == len(buckets)
+
+
+def test_largest_buckets_reach_the_engine_limits_unless_told_otherwise() -> None:
+    obs = Observed.from_json(recorded().snapshot())
+    planner = ShapePlanner(*suggest(obs, max_buckets=40).values(), DeviceCounters("m"))
+    # larger than anything observed, within the limits: still a bucket (padding, no compile)
+    assert planner.find(Phase.DECODE, 32, 32 * 128) is not None
+    assert planner.find(Phase.PROMPT, 1, 2048) is not None
+    envelope = suggest(obs, max_buckets=40, cover_limits=False)
+    assert max(b[2] for b in envelope[Phase.DECODE]) == max(s[2] for s in obs.shapes[Phase.DECODE])
+
+
+def test_nothing_observed_yet_is_refused() -> None:
+    stats = ShapeStats("m", CollectorRegistry())
+    stats.record(Phase.PROMPT, (1, 20, 0), 20)
+    stats.describe(block_size=16, limits=LIMITS, plan=None)
+    with pytest.raises(ValueError, match="no decode steps observed"):
+        suggest(Observed.from_json(stats.snapshot()), max_buckets=10)
