@@ -107,9 +107,13 @@ def suggest_buckets(args: argparse.Namespace) -> int:
     print()
     print(comparison({current_name: base, "suggested": fitted}))
     saved = base.total_padded_tokens - fitted.total_padded_tokens
-    share = 100.0 * saved / base.total_padded_tokens if base.total_padded_tokens else 0.0
+    share = 100.0 * abs(saved) / base.total_padded_tokens if base.total_padded_tokens else 0.0
+    trend = "fewer" if saved >= 0 else "more"
+    missed = sum(base.misses.values())
+    misses = (f"; the {current_name} plan missed {missed} steps (run unpadded, so "
+              "not counted above)" if missed else "")
     print(f"\nexpected padded tokens: {fitted.total_padded_tokens:,} vs "
-          f"{base.total_padded_tokens:,} ({share:.1f}% fewer); expected warmup "
+          f"{base.total_padded_tokens:,} ({share:.1f}% {trend}{misses}); expected warmup "
           f"{fitted.warmup_seconds:.1f} s vs {base.warmup_seconds:.1f} s"
           + ("" if warmup.measured_any else " (no measured warmup: 1 s per bucket)"))
     print(f"wrote {args.output}")

@@ -63,6 +63,10 @@ def test_suggest_reads_a_live_server_with_its_key(keyed_server, tmp_path, capsys
     from server.cli import main
     from server.hpu.bucketing import parse_bucket_file
 
+    resp = httpx.post(keyed_server.base_url + "/v1/completions", timeout=60,
+                      headers={"Authorization": "Bearer k3y"},
+                      json={"model": MODEL_NAME, "prompt": list(range(200, 230)), "max_tokens": 3})
+    assert resp.status_code == 200, resp.text  # traffic of its own, whatever ran before
     out = tmp_path / "buckets.txt"
     assert main(["buckets", "--suggest", "--from", keyed_server.base_url, "--api-key", "k3y",
                  "--max-buckets", "40", "-o", str(out)]) == 0
