@@ -133,6 +133,12 @@ class RankExecutor(ABC):
                                   wait_for_workers=False,
                                   timeout=timedelta(seconds=par.collective_timeout))
             self._wait_for_workers(store)
+            if dist.is_initialized():
+                # left by an engine of this process that died of a rank fault (its group is
+                # not destroyed then: a collective may have been pending); its workers are
+                # gone, so nothing can still use it
+                logger.warning("Replacing the process group of an earlier engine that died")
+                dist.destroy_process_group()
             dist.init_process_group(platform.dist_backend, store=store, rank=0,
                                     world_size=self.world_size,
                                     timeout=timedelta(seconds=par.collective_timeout))

@@ -5,6 +5,7 @@ weights, and served by the int4 kernel for small batches."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,14 @@ def test_q4_k_gguf_served_end_to_end_from_its_codes(tmp_path: Path) -> None:
     bf16, gives the greedy tokens of transformers on gguf's dequantization (fp32)."""
     import gguf
     import transformers
-    from conftest import build_tokenizer
+    # tests/conftest.py by path: in a whole-suite run the name "conftest" may be another
+    # directory's
+    spec = importlib.util.spec_from_file_location(
+        "root_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    root_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root_conftest)
+    build_tokenizer = root_conftest.build_tokenizer
 
     from server.engine.llm import LLM
     from server.engine.sampling_params import SamplingParams
