@@ -219,7 +219,9 @@ class LLMEngine:
         """Runs the batch, with the allowed-token mask of its guided sequences; returns the
         part of it that sampled (a prompt chunk short of its end samples nothing) and the
         tokens."""
-        sampled = batch.subset([batch.seqs[row] for row in batch.sampling_rows])
+        rows = batch.sampling_rows
+        sampled = batch if len(rows) == len(batch.seqs) else batch.subset(
+            [batch.seqs[row] for row in rows])
         bitmask = None
         if self._structured is not None and sampled.seqs:
             bitmask = self._structured.bitmask([s.grammar for s in sampled.seqs])

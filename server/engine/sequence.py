@@ -119,7 +119,9 @@ class ScheduledBatch:
 
     def subset(self, seqs: list[Sequence]) -> ScheduledBatch:
         """The same step restricted to ``seqs`` (each keeps its chunk)."""
-        rows = [self.seqs.index(seq) for seq in seqs]
-        chunks = (None if self.num_new_tokens is None
-                  else [self.num_new_tokens[row] for row in rows])
+        if self.num_new_tokens is None:
+            chunks = None
+        else:
+            chunk_of = {id(seq): n for seq, n in zip(self.seqs, self.num_new_tokens)}
+            chunks = [chunk_of[id(seq)] for seq in seqs]
         return ScheduledBatch(self.phase, list(seqs), [], chunks)
