@@ -278,3 +278,11 @@ def header_only_gguf(path: Path, arch: str, **header: int) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# llama.cpp's per-layer tensor names -> Hugging Face's (dense Llama-family layers), written
+# out here rather than taken from the loader, so tests check the loader's own map
+HF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                  "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                  "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj"}

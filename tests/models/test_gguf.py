@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gguf_files import gguf_quantizer, write_gguf
+from gguf_files import HF_LAYER_NAMES, gguf_quantizer, write_gguf
 from server.models.loader import load_model, resolve_model_source
 
 SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -92,9 +92,7 @@ def test_quantized_gguf_types_load_to_llama_cpp_values(tmp_path: Path, kind: str
     write_gguf(path, hf_model, arch="qwen2", quantize=gguf_quantizer(kind))
     reader = gguf.GGUFReader(str(path))
     reference = copy.deepcopy(hf_model)
-    inverse = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    inverse = HF_LAYER_NAMES
     state = reference.state_dict()
     quantized = 0
     with torch.no_grad():

@@ -69,7 +69,7 @@ PHI4_MINI_LONGROPE = dict(rope_type="longrope", short_factor=[1.0 + i / 8 for i 
                           long_factor=[2.0 + i / 4 for i in range(6)])
 
 
-def qwen3_moe() -> torch.nn.Module:
+def qwen3_moe(num_experts: int = 6, moe_intermediate_size: int = 48) -> torch.nn.Module:
     """Qwen3-MoE as the real models are (every layer sparse, top-k weights renormalised:
     llama.cpp assumes both), head size != hidden / heads."""
     import transformers
@@ -77,8 +77,8 @@ def qwen3_moe() -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=6,
-        num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=num_experts,
+        num_experts_per_tok=2, moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True,
         max_position_embeddings=512, tie_word_embeddings=False)
     return scaled(transformers.Qwen3MoeForCausalLM(cfg))
 
@@ -271,15 +271,7 @@ def test_transformers_reads_the_same_gguf(tiny_model_factory, tmp_path: Path, ar
     elif arch == "gemma3":
         hf_model = gemma3(head_dim=256, final_cap=None)
     else:
-        import transformers
-
-        torch.manual_seed(0)
-        cfg = transformers.Qwen3MoeConfig(
-            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
-            num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True,
-            max_position_embeddings=512, tie_word_embeddings=False)
-        hf_model = scaled(transformers.Qwen3MoeForCausalLM(cfg))
+        hf_model = qwen3_moe(num_experts=4, moe_intermediate_size=768)
     folder = gguf_folder(tmp_path, hf_model, arch)
     theirs = transformers_reading(folder)
     ids = torch.randint(3, 320, (1, 40), generator=torch.Generator().manual_seed(2))

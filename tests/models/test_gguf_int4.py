@@ -11,7 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_files import quantize_q4_k, random_k_quant, random_q4_k, write_gguf
+from gguf_files import (
+    HF_LAYER_NAMES,
+    quantize_q4_k,
+    random_k_quant,
+    random_q4_k,
+    write_gguf,
+)
 
 from server.models.gguf import GROUP_SIZE, read_int4_weights, split_blocks
 from server.models.loader import _gguf_reader, load_model, resolve_model_source
@@ -141,9 +147,7 @@ def test_q4_k_gguf_served_end_to_end_from_its_codes(tmp_path: Path) -> None:
     write_gguf(path, hf_model, "llama", quantize=quantize_q4_k, tokenizer=tokenizer)
 
     reference = copy.deepcopy(hf_model)
-    inverse = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    inverse = HF_LAYER_NAMES
     state = reference.state_dict()
     quantized = 0
     with torch.no_grad():
