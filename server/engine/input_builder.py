@@ -101,6 +101,42 @@ class InputBuilder:
             len(seqs),
         )
 
+    def packed(self, seqs: list[Sequence], new_tokens: list[int]) -> ForwardInputs:
+        """Each sequence's next ``new_tokens`` past its cached ones, packed back to back in
+        one ``[1, T]`` row (eager CPU with per-row block tables): no padding, and decode
+        rows (one new token) ride in the same forward as prompt chunks. Every token is a
+        row of the paged-attention kernel with its sequence's table and the keys up to
+        itself."""
+        block = self.block_size
+        starts = [s.num_computed_tokens for s in seqs]
+        ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, new_tokens):
+            ids += seq.all_token_ids[start : start + n]
+        width = max(-(-(c + n) // block) for c, n in zip(starts, new_tokens))
+        tables = torch.full((len(seqs), width), self.pad_block_id, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            table = seq.block_table[:width]
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        lens = torch.tensor(new_tokens)
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+        first = torch.cumsum(lens, 0) - lens  # each sequence's first token in the row
+        positions = torch.arange(len(ids)) - first[owner] + torch.tensor(starts)[owner]
+        token_tables = tables[owner]
+        slots = (token_tables.gather(1, (positions // block).unsqueeze(1)).squeeze(1).long()
+                 * block + positions % block)
+        dev = self.device
+        meta = AttentionMetadata(True, block, slots.to(dev),
+                                 block_tables=token_tables.to(dev),
+                                 seq_lens=(positions + 1).to(torch.int32).to(dev),
+                                 has_context=any(starts), packed=len(seqs) > 1)
+        return ForwardInputs(
+            torch.tensor(ids).view(1, -1).to(dev),
+            positions.view(1, -1).to(dev),
+            meta,
+            (torch.cumsum(lens, 0) - 1).to(dev),
+            len(seqs),
+        )
+
     def decode(
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
     ) -> ForwardInputs:

@@ -119,7 +119,8 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching)
         assert self.block_manager.pad_block_id == self.runner.pad_block_id
         self.scheduler = Scheduler(self.limits, self.block_manager,
-                                   self.runner.prefill_fits if self.runner.shapes else None)
+                                   self.runner.prefill_fits if self.runner.shapes else None,
+                                   fuse_decodes=self.runner.packs_tokens)
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size,

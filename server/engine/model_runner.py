@@ -111,6 +111,11 @@ class ModelRunner:
         self.graphs = platform.graph_runner(mode, ModelForward(loaded.model, self.kv_caches),
                                             self.counters, loaded.model, config.device)
         self.sampler = Sampler(ops.argmax)
+        # Eager with per-row block tables: a prefill's tokens are packed back to back with
+        # no padding, and decodes can ride in the same forward as prompt chunks (one
+        # forward per step, the decode rows inside the chunk's large matmuls). Graphs and
+        # the reference ops keep the padded [bs, q] grid of the buckets.
+        self.packs_tokens = not self.graphs.needs_warmup and ops.decode_layout == "block_tables"
         self.warmup_config = config.warmup
         self.token_budget = limits.max_num_batched_tokens
         ranges = resolve_ranges(
@@ -162,7 +167,9 @@ class ModelRunner:
         new_tokens = [batch.new_tokens(row) for row in range(len(seqs))]
         bucket = self._bucket(phase, seqs, new_tokens)
         pad_to = padded_size(phase, bucket)
-        if phase is Phase.PROMPT:
+        if phase is Phase.PROMPT and self.packs_tokens:
+            inputs = self.inputs.packed(seqs, new_tokens)
+        elif phase is Phase.PROMPT:
             # with graphs the bucket fixes the context width (and whether there is one);
             # eager execution follows the data
             inputs = self.inputs.prefill(seqs, pad_to, new_tokens,

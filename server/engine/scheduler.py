@@ -72,8 +72,12 @@ class Scheduler:
         limits: SchedulerLimits,
         block_manager: BlockManager,
         prefill_fits: Callable[[int, int], bool] | None = None,
+        fuse_decodes: bool = False,
     ) -> None:
         self.limits = limits
+        # chunked prefill: decodes join the step's prompt chunks as one-token chunks of one
+        # batch (the runner packs them into a single forward, eager CPU)
+        self.fuse_decodes = fuse_decodes and limits.chunked_prefill
         self.block_manager = block_manager
         # Padding-aware admission: (num_seqs, max_tokens) -> whether the padded prefill
         # batch still has a bucket within the token budget. None: no padding constraint.
@@ -106,15 +110,22 @@ class Scheduler:
         Separate phases (the reference's policy): a prefill of whole prompts whenever new
         ones fit, otherwise a decode of every running sequence. Chunked prefill: every
         running decode first, then prompt chunks in the token budget left (the decode and
-        the prefill run back to back in the same step), so a long prompt never stalls the
-        decodes for more than one chunk.
+        the prefill run back to back in the same step, or as one batch with
+        ``fuse_decodes``), so a long prompt never stalls the decodes for more than one
+        chunk.
         """
         if not self.limits.chunked_prefill:
             batch = self._schedule_prefill() or self._schedule_decode()
             return [batch] if batch is not None else []
         decode = self._schedule_decode()
         budget = self.limits.max_num_batched_tokens - (len(decode.seqs) if decode else 0)
-        return ([decode] if decode is not None else []) + self._schedule_chunks(budget)
+        chunks = self._schedule_chunks(budget)
+        if self.fuse_decodes and decode is not None and decode.seqs and len(chunks) == 1:
+            prompt = chunks[0]
+            assert prompt.num_new_tokens is not None
+            return [ScheduledBatch(Phase.PROMPT, decode.seqs + prompt.seqs, decode.preempted,
+                                   [1] * len(decode.seqs) + prompt.num_new_tokens)]
+        return ([decode] if decode is not None else []) + chunks
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Records that ``batch`` ran: its tokens' K/V are in the cache now."""

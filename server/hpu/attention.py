@@ -60,6 +60,9 @@ class AttentionMetadata:
     context_tables: torch.Tensor | None = None  # [bs, blocks] long: each row's whole table
     context_lens: torch.Tensor | None = None  # [bs] cached tokens before the row's queries
     total_lens: torch.Tensor | None = None  # [bs] cached + new tokens
+    # several sequences packed back to back in one row of tokens (eager CPU, no padding):
+    # each token is a row of the paged kernel, nothing else can attend over them
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if self.slot_block is None:

@@ -74,8 +74,12 @@ def test_chunking_with_prefix_caching_and_preemption(tiny_model) -> None:
     assert all_free(tight)
 
 
-def test_decodes_go_on_while_a_long_prompt_is_chunked(tiny_model) -> None:
-    engine = llm(tiny_model[0], True, chunked=True).engine
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused-kernel", "pytorch"])
+def test_decodes_go_on_while_a_long_prompt_is_chunked(tiny_model, kernels: bool) -> None:
+    engine = llm(tiny_model[0], kernels, chunked=True).engine
+    # eager with the fused kernels packs a step into one forward: the decode rides in the
+    # chunk's batch as a one-token chunk; the PyTorch ops run the two back to back
+    assert engine.runner.packs_tokens is kernels
     batch = prompts(300)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     engine.add_request("short", batch[0], params)
@@ -88,12 +92,14 @@ def test_decodes_go_on_while_a_long_prompt_is_chunked(tiny_model) -> None:
                        [b.new_tokens(i) for i in range(len(b.seqs))]) for b in batches])
         for b in batches:  # run them as the engine would
             engine._step_batch(b)
-    for phases in steps:
-        # the decode first, then a chunk in the budget left over (47 tokens), ending on a
-        # block boundary (32) unless the rest fits (40 <= 47)
-        assert phases[0] == (Phase.DECODE, ["short"], [1])
-        assert phases[1][0] is Phase.PROMPT and phases[1][1] == ["long"]
-    assert [phases[1][2][0] for phases in steps] == [32] * 5 + [200 - 5 * 32]
+    chunks = [32] * 5 + [200 - 5 * 32]
+    # the decode first, then a chunk in the budget left over (47 tokens), ending on a
+    # block boundary (32) unless the rest fits (40 <= 47)
+    if kernels:
+        assert steps == [[(Phase.PROMPT, ["short", "long"], [1, n])] for n in chunks]
+    else:
+        assert steps == [[(Phase.DECODE, ["short"], [1]), (Phase.PROMPT, ["long"], [n])]
+                         for n in chunks]
     short_seq, long_seq = engine.scheduler.running
     assert long_seq.request_id == "long" and long_seq.num_output_tokens == 1
     assert short_seq.num_output_tokens == 1 + 6  # one token per step, never stalled

@@ -89,7 +89,7 @@ class FusedCpuLayerOps(TorchLayerOps):
         # on SmolLM2 with a 1,000-token prefix: 1.35 s per hit, against 1.7 s for PyTorch's
         # masked attention over the gathered blocks and 4.4 s for an unfused one)
         if meta.block_tables is None or (query.shape[0] // bs > self.kernel_prompt_max
-                                         and not meta.has_context):
+                                         and not meta.has_context and not meta.packed):
             return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale)
         return self.decode_attention(query, kv_cache, meta, scale)
 
