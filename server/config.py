@@ -91,13 +91,14 @@ class SchedulerConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
 
-    def batched_tokens_for(self, max_model_len: int, chunked: bool = False) -> int:
+    def batched_tokens_for(self, max_model_len: int, chunked: bool = False,
+                           chunked_default: int = MIN_BATCHED_TOKENS) -> int:
         """The step's token budget once ``max_model_len`` is known: with chunked prefill a
-        fixed default (prompts longer than it take several steps), otherwise at least one
-        whole prompt of the longest kind."""
+        fixed default, the platform's (prompts longer than it take several steps),
+        otherwise at least one whole prompt of the longest kind."""
         if self.max_num_batched_tokens:
             return self.max_num_batched_tokens
-        return MIN_BATCHED_TOKENS if chunked else max(max_model_len, MIN_BATCHED_TOKENS)
+        return chunked_default if chunked else max(max_model_len, MIN_BATCHED_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,8 +281,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="fcfs: arrival order; priority: the request field priority "
                              "(lower first, ties by arrival), lowest priority preempted first")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens one step computes (default: 2048 with chunked prefill, "
-                             "else max(--max-model-len, 2048))")
+                        help="tokens one step computes (default with chunked prefill: 512 on "
+                             "CPU, 2048 on accelerators; else max(--max-model-len, 2048))")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="split long prompts over steps within --max-num-batched-tokens, "

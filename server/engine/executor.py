@@ -334,7 +334,8 @@ def build_worker_runner(config: EngineConfig, platform: Platform,
     runner as rank 0 (no tokenizer, no sampling)."""
     source = resolve_model_source(config.model.model)
     loaded = load_model(source, config.model.dtype, platform.device, parallel)
-    limits = SchedulerLimits.resolve(config.scheduler, loaded.config.max_position_embeddings)
+    limits = SchedulerLimits.resolve(config.scheduler, loaded.config.max_position_embeddings,
+                                     chunked_budget=platform.chunked_budget)
     name = config.model.served_model_name or source.name
     return ModelRunner(config, platform, loaded, limits, frozenset(), name,
                        writable_cache_dir(config.cache_dir), None, parallel=parallel)

@@ -104,7 +104,8 @@ class LLMEngine:
         static = platform.resolve_mode(config.device) is not ExecutionMode.EAGER
         self.limits = SchedulerLimits.resolve(config.scheduler,
                                               loaded.config.max_position_embeddings,
-                                              context_prefill_alone=static)
+                                              context_prefill_alone=static,
+                                              chunked_budget=platform.chunked_budget)
         # A GGUF's own 4-bit codes, read only if the platform serves from them (whole
         # matrices: not under tensor parallelism, whose ranks hold slices).
         int4_weights = (functools.partial(load_int4_weights, source, loaded.config)

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.config import SchedulerConfig
+from server.config import MIN_BATCHED_TOKENS, SchedulerConfig
 from server.engine.block_manager import BlockManager
 from server.engine.sequence import ScheduledBatch, Sequence, SequenceStatus
 from server.hpu.types import Phase
@@ -33,15 +33,17 @@ class SchedulerLimits:
     @classmethod
     def resolve(cls, config: SchedulerConfig, model_max_len: int,
                 chunked_prefill: bool | None = None,
-                context_prefill_alone: bool = False) -> SchedulerLimits:
+                context_prefill_alone: bool = False,
+                chunked_budget: int = MIN_BATCHED_TOKENS) -> SchedulerLimits:
         """The flags' limits with the model's defaults filled in, checked against it.
-        ``chunked_prefill`` overrides the flag."""
+        ``chunked_prefill`` overrides the flag; ``chunked_budget``: the platform's step
+        budget with chunked prefill when ``--max-num-batched-tokens`` is unset."""
         chunked = config.enable_chunked_prefill if chunked_prefill is None else chunked_prefill
         max_model_len = config.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                              f"{model_max_len}")
-        max_batched = config.batched_tokens_for(max_model_len, chunked)
+        max_batched = config.batched_tokens_for(max_model_len, chunked, chunked_budget)
         if max_batched < max_model_len and not chunked:
             # Without chunked prefill a whole prompt must fit one step's token budget.
             raise ValueError(

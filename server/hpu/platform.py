@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from server.config import CacheConfig, DeviceConfig, ExecutionMode
+from server.config import MIN_BATCHED_TOKENS, CacheConfig, DeviceConfig, ExecutionMode
 from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import CompiledRunner, EagerRunner, ForwardFn, GraphRunner
 from server.hpu.layer_ops import TorchLayerOps
@@ -42,6 +42,8 @@ class Platform:
     dist_backend: ClassVar[str] = "gloo"
     # what ``--execution-mode auto`` means here
     default_mode: ClassVar[ExecutionMode] = ExecutionMode.COMPILE
+    # the step's token budget with chunked prefill when --max-num-batched-tokens is unset
+    chunked_budget: ClassVar[int] = MIN_BATCHED_TOKENS
     # modes this platform can run (AUTO is resolved first)
     supported_modes: ClassVar[frozenset[ExecutionMode]] = frozenset(
         {ExecutionMode.EAGER, ExecutionMode.COMPILE})
