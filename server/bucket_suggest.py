@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from server.config import BucketingConfig, api_key_from_env
 from server.hpu.bucket_fit import (
     KV_WEIGHT,
+    QUERY_STEP,
     Observed,
     PlanCost,
     WarmupModel,
@@ -42,14 +44,16 @@ def load_observed(source: str, api_key: str | None = None) -> dict[str, Any]:
 
 def reference_plan(obs: Observed, strategy: str = "exp") -> dict[Phase, list[Bucket]]:
     """The plan the static ``strategy`` (exp: the default, or lin) gives the observed
-    server's limits, with a context dimension if any observed prefill had context."""
+    server's limits, with a context dimension if any observed prefill had context or the
+    server's own plan has one (prefix caching or chunked prefill on)."""
     if not obs.limits:
         raise ValueError("the observed document has no engine limits to plan for")
     ranges = resolve_ranges(
         BucketingConfig(strategy=strategy), block_size=obs.block_size,
         max_model_len=obs.limits["max_model_len"], max_num_seqs=obs.limits["max_num_seqs"],
         max_num_batched_tokens=obs.limits["max_num_batched_tokens"],
-        with_context=any(s[2] > 0 for s in obs.shapes[Phase.PROMPT]))
+        with_context=any(s[2] > 0 for s in obs.shapes[Phase.PROMPT]) or any(
+            b[2] > 0 for b in (obs.plan or {}).get(Phase.PROMPT, ())))
     return {Phase.PROMPT: prompt_buckets(ranges), Phase.DECODE: decode_buckets(ranges)}
 
 
@@ -75,6 +79,13 @@ def suggest_buckets(args: argparse.Namespace) -> int:
                                                api_key_from_env(args.api_key)))
     except (OSError, ValueError, KeyError) as exc:
         raise SystemExit(f"error: cannot read observed shapes from {args.source}: {exc}")
+    if not obs.static_shapes:
+        print("warning: these shapes were recorded by an eager server. Eager steps pack "
+              "prompts together, decodes included and prefills after a cached prefix too, "
+              "where a graph server runs each prefill with context alone and admits only "
+              "batches its plan holds, so the fit below is for traffic the plan will not "
+              "see. Record on the server that will run the plan (--execution-mode graphs "
+              "or compile).", file=sys.stderr)
     warmup = WarmupModel(obs.warmup)
     current_name = "current"
     current = obs.plan
@@ -92,7 +103,8 @@ def suggest_buckets(args: argparse.Namespace) -> int:
     try:
         plan = suggest(obs, max_buckets=max_buckets, warmup_budget=budget,
                        kv_weight=kv_weight, warmup=warmup,
-                       cover_limits=not args.observed_only)
+                       cover_limits=not args.observed_only,
+                       query_step=args.query_step or QUERY_STEP)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
     fitted = evaluate(obs, plan, warmup)

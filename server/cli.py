@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--kv-weight", type=float, default=None,
                      help="cost of a padded KV position in padded query tokens (default "
                      "1/256)")
+    fit.add_argument("--query-step", type=int, default=None, metavar="TOKENS",
+                     help="prompt query buckets are multiples of this (default 32; the "
+                     "reference's plans step by the block size)")
     fit.add_argument("--observed-only", action="store_true",
                      help="cover only the observed envelope, not the engine's limits (fewer "
                      "buckets; larger traffic then misses and compiles)")

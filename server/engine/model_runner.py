@@ -145,7 +145,8 @@ class ModelRunner:
             block_size=self.block_size,
             limits={"max_model_len": limits.max_model_len, "max_num_seqs": limits.max_num_seqs,
                     "max_num_batched_tokens": self.token_budget, "num_blocks": self.num_blocks},
-            plan=self.shapes.buckets if self.shapes is not None else None)
+            plan=self.shapes.buckets if self.shapes is not None else None,
+            static_shapes=self.graphs.needs_warmup)
 
     @property
     def pad_block_id(self) -> int:

@@ -19,8 +19,8 @@ rules: a prefill with context runs alone):
    for every k, the k cut values minimising the padding of that dimension's marginal: each
    observed value ``v`` weighted by how many tokens one unit of padding there costs (for
    ``query``: the steps' rows; for ``bs``: their query lengths...). The largest observed
-   value is always a cut, so every shape is covered. Query cuts are multiples of the block
-   size, as the reference's prompt buckets.
+   value is always a cut, so every shape is covered. Query cuts are multiples of
+   ``query_step`` (32 tokens; the reference's buckets step by the block size).
 2. A plan for per-dimension counts ``k`` maps every observed shape to its cut values in
    each dimension; the plan is the set of buckets some shape lands in (grid points nobody
    uses are never warmed). A landing point that the engine would reject (decode rows beyond
@@ -56,6 +56,11 @@ from server.hpu.types import Bucket, Phase
 KV_WEIGHT = 1 / 256
 MAX_CANDIDATES = 192  # per dimension; more distinct values are thinned (rounded up)
 MAX_CUTS = 64  # per dimension
+# Granularity of prompt query buckets (--query-step). The reference steps them by the block
+# size (128 on Gaudi), which pads a 145-token prompt to 256 whatever the plan; the runtime
+# takes any query length (pad tokens write to the padding block), so a finer step lets the
+# fit follow the traffic.
+QUERY_STEP = 32
 
 
 @dataclass(slots=True)
@@ -68,6 +73,7 @@ class Observed:
     warmup: dict[Phase, dict[Bucket, float]] = field(default_factory=dict)
     limits: dict[str, int] | None = None
     plan: dict[Phase, list[Bucket]] | None = None
+    static_shapes: bool = True  # recorded by an engine scheduling for graphs (not eager)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Observed:
@@ -75,15 +81,23 @@ class Observed:
             raise ValueError(f"not an observed-shapes document (format {doc.get('format')!r})")
         phases = doc["phases"]
         plan = doc.get("plan")
+        shapes: dict[Phase, dict[Bucket, int]] = {p: {} for p in Phase}
+        for p in Phase:
+            for bs, q, ctx, n in phases[str(p)]["shapes"]:
+                if p is Phase.PROMPT and ctx and bs > 1:
+                    # an eager engine batches prefills after a context; graphs run each
+                    # alone (bs 1): count them as that many steps of the batch's extent
+                    bs, n = 1, n * bs
+                shapes[p][(bs, q, ctx)] = shapes[p].get((bs, q, ctx), 0) + n
         return cls(
             block_size=int(doc["block_size"]),
-            shapes={p: {(s[0], s[1], s[2]): s[3] for s in phases[str(p)]["shapes"]}
-                    for p in Phase},
+            shapes=shapes,
             real_tokens={p: int(phases[str(p)]["real_tokens"]) for p in Phase},
             warmup={p: {(w[0], w[1], w[2]): float(w[3])
                         for w in doc.get("warmup_seconds", {}).get(str(p), [])} for p in Phase},
             limits=doc.get("limits"),
             plan=None if plan is None else {p: [tuple(b) for b in plan[str(p)]] for p in Phase},
+            static_shapes=bool(doc.get("static_shapes", True)),
         )
 
 
@@ -225,7 +239,8 @@ class _Group:
     cuts: list[list[list[int]]]  # per dim, per k-1: the cut values
 
 
-def _groups(obs: Observed, kv_weight: float, cover_limits: bool) -> list[_Group]:
+def _groups(obs: Observed, kv_weight: float, cover_limits: bool,
+            query_step: int) -> list[_Group]:
     B = obs.block_size
     lim = obs.limits if cover_limits and obs.limits else {}
     # the largest value each dimension can take within the engine's limits (when known)
@@ -240,8 +255,9 @@ def _groups(obs: Observed, kv_weight: float, cover_limits: bool) -> list[_Group]
         rows = np.array([r for r in prompt if (r[2] > 0) == with_ctx], dtype=np.int64)
         if len(rows):
             dims = (1, 2) if with_ctx else (0, 1)
-            tops = {1: query_top // B * B, 2: max(per_seq - 1, 0)}
-            out.append(_fit_group(Phase.PROMPT, dims, rows, B, kv_weight, tops))
+            tops = {1: query_top // query_step * query_step, 2: max(per_seq - 1, 0)}
+            out.append(_fit_group(Phase.PROMPT, dims, rows, B, kv_weight, tops, query_step,
+                                  (obs.limits or {}).get("max_num_batched_tokens")))
     rows = np.array([(*s, n) for s, n in obs.shapes[Phase.DECODE].items()], dtype=np.int64)
     if len(rows):
         tops = {0: lim.get("max_num_seqs", 0), 2: blocks_top}
@@ -250,12 +266,16 @@ def _groups(obs: Observed, kv_weight: float, cover_limits: bool) -> list[_Group]
 
 
 def _fit_group(phase: Phase, dims: tuple[int, int], rows: np.ndarray, B: int,
-               kv_weight: float, tops: Mapping[int, int]) -> _Group:
+               kv_weight: float, tops: Mapping[int, int], query_step: int = 1,
+               token_budget: int | None = None) -> _Group:
     """Candidate cuts per dimension; ``tops``: per dimension, a value the largest cut must
     reach (the engine's limit) even if no step was that large."""
-    if phase is Phase.PROMPT:  # query cuts are multiples of the block size
+    if phase is Phase.PROMPT:  # query cuts are multiples of the query step...
         rows = rows.copy()
-        rows[:, 1] = -(-rows[:, 1] // B) * B
+        aligned = -(-rows[:, 1] // query_step) * query_step
+        if token_budget:  # ...unless that would take the batch past the step's budget
+            aligned = np.maximum(rows[:, 1], np.minimum(aligned, token_budget // rows[:, 0]))
+        rows[:, 1] = aligned
     cuts = []
     for d in dims:
         # tokens that one unit of padding in dimension d costs, per step
@@ -276,7 +296,7 @@ def _fit_group(phase: Phase, dims: tuple[int, int], rows: np.ndarray, B: int,
 
 
 def _landing(group: _Group, ks: tuple[int, int], limits: Mapping[str, int] | None,
-             block_size: int) -> np.ndarray:
+             block_size: int, query_step: int) -> np.ndarray:
     """Per shape, the bucket it lands in for ``ks`` cuts per dimension (valid ones)."""
     s = group.shapes
     out = s[:, :3].copy()
@@ -291,7 +311,7 @@ def _landing(group: _Group, ks: tuple[int, int], limits: Mapping[str, int] | Non
             out[:, 2] = np.minimum(out[:, 2], out[:, 0] * per_seq)
     elif limits:
         # beyond the step's token budget or the model length: fall back to the shape's own
-        # batch size, then to the longest block-aligned query that batch size allows (one
+        # batch size, then to the longest step-aligned query that batch size allows (one
         # bucket per batch size, not one per shape)
         if "max_model_len" in limits:
             out[:, 1] = np.minimum(out[:, 1], limits["max_model_len"])
@@ -299,14 +319,14 @@ def _landing(group: _Group, ks: tuple[int, int], limits: Mapping[str, int] | Non
         over = out[:, 0] * out[:, 1] > budget
         out[over, 0] = s[over, 0]
         over = out[:, 0] * out[:, 1] > budget
-        out[over, 1] = np.maximum(s[over, 1], budget // out[over, 0] // block_size * block_size)
+        out[over, 1] = np.maximum(s[over, 1], budget // out[over, 0] // query_step * query_step)
     return out
 
 
 def suggest(obs: Observed, *, max_buckets: int | None = None,
             warmup_budget: float | None = None, kv_weight: float = KV_WEIGHT,
-            warmup: WarmupModel | None = None, cover_limits: bool = True
-            ) -> dict[Phase, list[Bucket]]:
+            warmup: WarmupModel | None = None, cover_limits: bool = True,
+            query_step: int = QUERY_STEP) -> dict[Phase, list[Bucket]]:
     """The plan covering every observed shape with the least padding within the budget
     (bucket count and/or estimated warmup seconds); see the module docstring.
     ``cover_limits``: the largest buckets reach the engine's limits (known from the dump),
@@ -316,7 +336,7 @@ def suggest(obs: Observed, *, max_buckets: int | None = None,
     if empty:  # a plan without them would make every such step a miss
         raise ValueError(f"no {' or '.join(empty)} steps observed yet: serve traffic first")
     warmup = warmup or WarmupModel(obs.warmup)
-    groups = _groups(obs, kv_weight, cover_limits)
+    groups = _groups(obs, kv_weight, cover_limits, query_step)
     B = obs.block_size
     cache: dict[tuple[int, tuple[int, int]], tuple[float, dict[Bucket, None], float]] = {}
 
@@ -325,7 +345,7 @@ def suggest(obs: Observed, *, max_buckets: int | None = None,
         key = (gi, ks)
         if key not in cache:
             g = groups[gi]
-            land = _landing(g, ks, obs.limits, B)
+            land = _landing(g, ks, obs.limits, B, query_step)
             n = g.shapes[:, 3]
             q = land[:, 1] if g.phase is Phase.PROMPT else np.ones(len(land), dtype=np.int64)
             cost = float((n * land[:, 0] * q).sum() + kv_weight * B *

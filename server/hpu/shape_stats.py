@@ -72,10 +72,15 @@ class ShapeStats:
             self._warm_seconds.labels(model_name, str(phase))
 
     def describe(self, *, block_size: int, limits: Mapping[str, int],
-                 plan: Mapping[Phase, Sequence[Bucket]] | None) -> None:
-        """What the JSON dump carries besides counts: the block size, the engine limits and
-        the plan in use (``None`` when bucketing is off), so a suggestion can compare."""
-        self._context = {"block_size": block_size, "limits": dict(limits)}
+                 plan: Mapping[Phase, Sequence[Bucket]] | None,
+                 static_shapes: bool = True) -> None:
+        """What the JSON dump carries besides counts: the block size, the engine limits,
+        the plan in use (``None`` when bucketing is off), so a suggestion can compare, and
+        whether the engine schedules for static shapes (graphs, compile) or eagerly: an
+        eager engine batches prefills that graphs would run apart, so its shapes are not
+        the ones a plan will meet."""
+        self._context = {"block_size": block_size, "limits": dict(limits),
+                         "static_shapes": static_shapes}
         self._plan = plan  # kept by reference: buckets added while serving show up too
 
     def record(self, phase: Phase, shape: Bucket, real_tokens: int) -> None:

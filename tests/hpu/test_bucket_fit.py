@@ -131,6 +131,22 @@ def test_cli_suggest_from_a_saved_dump(tmp_path, capsys) -> None:
     ranges = resolve_ranges(BucketingConfig(file=str(out)), block_size=16, max_model_len=2048,
                             max_num_seqs=32, max_num_batched_tokens=4096, with_context=True)
     assert len(prompt_buckets(ranges)) + len(decode_buckets(ranges)) == len(buckets)
+    assert "eager" not in capsys.readouterr().err  # recorded for static shapes: no warning
+
+
+def test_cli_warns_when_the_shapes_come_from_an_eager_server(tmp_path, capsys) -> None:
+    """Eager steps batch prefills (and decodes) that graphs run apart: a fit to them is a
+    fit to traffic the plan will never see, so the operator is told where to record."""
+    stats = recorded()
+    stats.describe(block_size=16, limits=LIMITS, plan=None, static_shapes=False)
+    doc = stats.snapshot()
+    assert doc["static_shapes"] is False and not Observed.from_json(doc).static_shapes
+    dump = tmp_path / "observed.json"
+    dump.write_text(json.dumps(doc))
+    assert main(["buckets", "--suggest", "--from", str(dump), "--max-buckets", "30",
+                 "-o", str(tmp_path / "b.txt")]) == 0
+    err = capsys.readouterr().err
+    assert "recorded by an eager server" in err and "--execution-mode graphs" in err
 
 
 def test_largest_buckets_reach_the_engine_limits_unless_told_otherwise() -> None:
@@ -149,3 +165,30 @@ def test_nothing_observed_yet_is_refused() -> None:
     stats.describe(block_size=16, limits=LIMITS, plan=None)
     with pytest.raises(ValueError, match="no decode steps observed"):
         suggest(Observed.from_json(stats.snapshot()), max_buckets=10)
+
+
+def test_query_buckets_step_finer_than_the_block() -> None:
+    """Block-aligned query buckets (the reference's step) pad a 145-token prompt to 256
+    whatever the plan; the default 32-token step lets the fit follow the prompt lengths."""
+    rng = random.Random(4)
+    stats = ShapeStats("m", CollectorRegistry())
+    for _ in range(300):
+        q = rng.randint(140, 300)
+        stats.record(Phase.PROMPT, (1, q, 0), q)
+    for _ in range(1000):
+        bs = rng.randint(1, 16)
+        stats.record(Phase.DECODE, (bs, 1, 3 * bs), bs)
+    limits = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_batched_tokens": 2048}
+    stats.describe(block_size=128, limits=limits, plan=None)
+    obs = Observed.from_json(stats.snapshot())
+    warmup = WarmupModel({})
+    aligned = suggest(obs, max_buckets=30, query_step=128)
+    fine = suggest(obs, max_buckets=30)
+    assert all(q % 128 == 0 for _, q, _ in aligned[Phase.PROMPT])
+    assert all(q % 32 == 0 for _, q, _ in fine[Phase.PROMPT])
+    assert any(q % 128 for _, q, _ in fine[Phase.PROMPT])
+    cost_aligned, cost_fine = evaluate(obs, aligned, warmup), evaluate(obs, fine, warmup)
+    assert sum(cost_fine.misses.values()) == sum(cost_aligned.misses.values()) == 0
+    # block-aligned: ~74 padded tokens per prompt; 32-token steps: at most ~31 and a few cuts
+    assert cost_fine.padded_tokens[Phase.PROMPT] < 0.5 * cost_aligned.padded_tokens[Phase.PROMPT]
+    assert cost_fine.total_buckets <= 30
