@@ -127,6 +127,50 @@ def test_decode_attention_matches_dense(fused, dtype, kv_heads, groups, dim, blo
         torch.testing.assert_close(out[row].double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads, groups, dim, block", [
+    (3, 3, 64, 16), (2, 4, 128, 32), (1, 1, 64, 16), (2, 2, 64, 32), (1, 6, 64, 16)])
+def test_prompt_rows_of_one_sequence_match_dense(fused, dtype, kv_heads, groups, dim,
+                                                 block) -> None:
+    """Packed prompt chunks: consecutive rows of one sequence (same table, one more token
+    each) run four at a time against each block; chunks start after a context, end on and
+    across block boundaries, and sit beside one-token (decode) rows of other sequences."""
+    rng = random.Random(block + groups)
+    torch.manual_seed(groups)
+    # (tokens before the chunk, chunk length) per sequence
+    chunks = [(0, 37), (40, 1), (16, 16), (5, 3), (100, 30), (7, 1)]
+    lens_of = [c + n for c, n in chunks]
+    num_blocks = sum(-(-n // block) for n in lens_of) + 3
+    k_cache = torch.randn(num_blocks + 1, kv_heads, block, dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    keys_t = k_cache.transpose(2, 3).contiguous()
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens_of]
+    width = max(len(t) for t in tables)
+    rows, row_lens, row_tables = [], [], []
+    for seq, (ctx, n) in enumerate(chunks):
+        for i in range(n):
+            rows.append(seq)
+            row_lens.append(ctx + i + 1)
+            row_tables.append(tables[seq] + [num_blocks] * (width - len(tables[seq])))
+    meta = AttentionMetadata(
+        True, block, torch.zeros(len(rows), dtype=torch.long),
+        block_tables=torch.tensor(row_tables, dtype=torch.int32),
+        seq_lens=torch.tensor(row_lens, dtype=torch.int32))
+    qkv = torch.randn(len(rows), (kv_heads * groups + 2 * kv_heads) * dim, dtype=dtype)
+    query = qkv.view(len(rows), -1, dim)[:, : kv_heads * groups]
+    scale = dim**-0.5
+    out = fused.decode_attention(query, (keys_t, v_cache), meta, scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for row, (seq, n) in enumerate(zip(rows, row_lens)):
+        blocks = torch.tensor(tables[seq])
+        k = k_cache[blocks].transpose(1, 2).reshape(-1, kv_heads, dim)[:n]
+        v = v_cache[blocks].transpose(1, 2).reshape(-1, kv_heads, dim)[:n]
+        want = dense_reference(query[row], k, v, scale)
+        torch.testing.assert_close(out[row].double(), want, atol=tol, rtol=tol)
+
+
 def test_kernels_refuse_out_of_range_indices(fused) -> None:
     block, dim = 4, 8
     cache = (torch.zeros(3, 1, dim, block), torch.zeros(3, 1, block, dim))

@@ -1,7 +1,9 @@
 // Paged decode attention for CPU (torch.ops.hpu_serve.decode_attention): one query token
 // per row against its sequence's cached keys/values, read in place from their blocks (the
 // PyTorch path gathers the blocks into a copy first). Prefill uses it too, one row per
-// prompt token with causal per-row lengths.
+// prompt token with causal per-row lengths; consecutive rows of one sequence then run four
+// at a time, so each key/value read serves four tokens (an 8,000-token prompt in 512-token
+// chunks: 28.0 s -> 20.9 s end to end on SmolLM2, 2 cores).
 //
 // Keys are stored transposed within each block, [blocks, kv_heads, head_dim, block_size], so
 // 16 tokens' scores come from one vector multiply-add per head dim, without horizontal sums;
@@ -149,6 +151,158 @@ struct FastHead {
   }
 };
 
+// QT consecutive query tokens of one sequence (the rows of a prompt chunk) against the same
+// blocks: each key/value vector loaded serves QT x G query heads, where one row at a time
+// reads the whole context once per token. Row t sees n[t] tokens of a block (the tokens
+// differ by one position each, so only the last block differs); rows past `rows` have
+// zero queries and are never written out.
+template <typename T, int G, int DIM, int QT>
+struct FastTokens {
+  int64_t block;
+  int rows = 0;
+  alignas(64) float q[QT][G][DIM];
+  alignas(64) float acc[QT][G][DIM];
+  float run_max[QT][G], run_sum[QT][G];
+  std::vector<float> probs;  // [QT][G][block]
+
+  FastTokens(int64_t block_) : block(block_), probs(QT * G * block_) {}
+
+  void start(const T* const* queries, int rows_, int64_t head_stride, float scale) {
+    rows = rows_;
+    for (int t = 0; t < QT; ++t) {
+      for (int g = 0; g < G; ++g) {
+        for (int d = 0; d < DIM; ++d) {
+          q[t][g][d] = t < rows ? load(queries[t] + g * head_stride, d) * scale : 0.f;
+        }
+        std::fill(acc[t][g], acc[t][g] + DIM, 0.f);
+        run_max[t][g] = -std::numeric_limits<float>::infinity();
+        run_sum[t][g] = 0.f;
+      }
+    }
+  }
+
+  void block_step(const T* keys_t, const T* values, const int64_t* n) {
+    int64_t nmax = 0;
+    for (int t = 0; t < rows; ++t) nmax = std::max(nmax, n[t]);
+    for (int64_t j0 = 0; j0 < nmax; j0 += 16) {
+      f32x16 s[QT][G] = {};
+      for (int d = 0; d < DIM; ++d) {
+        const f32x16 k = load16(keys_t + d * block + j0);
+        for (int t = 0; t < QT; ++t) {
+          for (int g = 0; g < G; ++g) s[t][g] += q[t][g][d] * k;
+        }
+      }
+      for (int t = 0; t < QT; ++t) {
+        for (int g = 0; g < G; ++g) store16(probs.data() + (t * G + g) * block + j0, s[t][g]);
+      }
+    }
+    for (int t = 0; t < QT; ++t) {
+      const int64_t seen = t < rows ? std::max<int64_t>(n[t], 0) : 0;
+      for (int g = 0; g < G; ++g) {
+        float* p = probs.data() + (t * G + g) * block;
+        if (seen > 0) softmax_block(p, seen, run_max[t][g], run_sum[t][g], acc[t][g], DIM);
+        std::fill(p + seen, p + nmax, 0.f);  // past the row's own end: no weight
+      }
+    }
+    for (int d0 = 0; d0 < DIM; d0 += 16) {
+      f32x16 a[QT][G];
+      for (int t = 0; t < QT; ++t) {
+        for (int g = 0; g < G; ++g) a[t][g] = load16(acc[t][g] + d0);
+      }
+      for (int64_t j = 0; j < nmax; ++j) {
+        const f32x16 v = load16(values + j * DIM + d0);
+        for (int t = 0; t < QT; ++t) {
+          for (int g = 0; g < G; ++g) a[t][g] += probs[(t * G + g) * block + j] * v;
+        }
+      }
+      for (int t = 0; t < QT; ++t) {
+        for (int g = 0; g < G; ++g) store16(acc[t][g] + d0, a[t][g]);
+      }
+    }
+  }
+
+  void finish(T* const* outs) {
+    for (int t = 0; t < rows; ++t) {
+      for (int g = 0; g < G; ++g) {
+        const float inv = run_sum[t][g] > 0.f ? 1.f / run_sum[t][g] : 0.f;
+#pragma omp simd
+        for (int d = 0; d < DIM; ++d) store(outs[t] + g * DIM, d, acc[t][g][d] * inv);
+      }
+    }
+  }
+};
+
+// Rows r-1 and r are consecutive tokens of one sequence: the same block table, and one
+// more token each.
+inline bool same_sequence(const int32_t* tables, const int32_t* lens, int64_t width,
+                          int64_t r) {
+  return lens[r] == lens[r - 1] + 1 &&
+         std::memcmp(tables + r * width, tables + (r - 1) * width, width * sizeof(int32_t)) == 0;
+}
+
+// Prompt rows grouped QT consecutive tokens at a time; work items are (group, kv head).
+// Returns false (nothing done) when no two rows belong together (decode batches).
+template <typename T, int G, int DIM>
+bool prompt_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  constexpr int QT = 4;
+  const int64_t rows = query.size(0);
+  const int64_t width = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  std::vector<int64_t> starts;  // first row of each group, then `rows`
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r == 0 || r - starts.back() == QT || !same_sequence(tables, lens, width, r)) {
+      starts.push_back(r);
+    }
+  }
+  if (static_cast<int64_t>(starts.size()) * 2 > rows) return false;  // mostly lone rows
+  starts.push_back(rows);
+  const int64_t num_heads = query.size(1);
+  const int64_t num_kv_heads = k_cache.size(1);
+  const int64_t block = v_cache.size(2);
+  const int64_t q_row = query.stride(0);
+  const int64_t q_head = query.stride(1);
+  const int64_t num_blocks = k_cache.size(0);
+  const T* qp = query.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t num_groups = static_cast<int64_t>(starts.size()) - 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lens[r] >= 0 && lens[r] <= width * block, "seq_len ", lens[r], " of row ", r,
+                " exceeds its block table");
+  }
+  at::parallel_for(0, num_groups * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    FastTokens<T, G, DIM, QT> heads(block);
+    const T* queries[QT];
+    T* outs[QT];
+    int64_t n[QT];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first = starts[item / num_kv_heads];
+      const int64_t h = item % num_kv_heads;
+      const int count = static_cast<int>(starts[item / num_kv_heads + 1] - first);
+      for (int t = 0; t < count; ++t) {
+        queries[t] = qp + (first + t) * q_row + h * G * q_head;
+        outs[t] = op + ((first + t) * num_heads + h * G) * DIM;
+      }
+      heads.start(queries, count, q_head, fscale);
+      const int64_t longest = lens[first + count - 1];
+      for (int64_t start = 0, b = 0; start < longest; start += block, ++b) {
+        const int64_t blk = tables[first * width + b];
+        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " out of the cache");
+        for (int t = 0; t < count; ++t) n[t] = std::min(block, lens[first + t] - start);
+        const int64_t offset = (blk * num_kv_heads + h) * block * DIM;
+        heads.block_step(kc + offset, vc + offset, n);
+      }
+      heads.finish(outs);
+    }
+  });
+  return true;
+}
+
 // One decode token per row against its sequence's blocks; work items are (row, kv head).
 template <typename T, typename Head>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
@@ -255,6 +409,10 @@ bool dispatch_groups(int64_t groups, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& seq_lens, double scale, at::Tensor& out) {
 #define HPU_SERVE_GROUPS(G)                                                                 \
   case G:                                                                                  \
+    if (G <= 4 && prompt_attention_impl<T, (G <= 4 ? G : 1), DIM>(                         \
+                      query, k_cache, v_cache, block_tables, seq_lens, scale, out)) {      \
+      return true;                                                                         \
+    }                                                                                      \
     decode_attention_impl<T, FastHead<T, G, DIM>>(query, k_cache, v_cache, block_tables,    \
                                                   seq_lens, scale, out);                   \
     return true;
