@@ -277,6 +277,7 @@ bool prompt_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
   }
   at::parallel_for(0, num_groups * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     FastTokens<T, G, DIM, QT> heads(block);
+    FastHead<T, G, DIM> lone(DIM, G, block);  // a row alone (a decode riding in the batch)
     const T* queries[QT];
     T* outs[QT];
     int64_t n[QT];
@@ -284,6 +285,18 @@ bool prompt_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
       const int64_t first = starts[item / num_kv_heads];
       const int64_t h = item % num_kv_heads;
       const int count = static_cast<int>(starts[item / num_kv_heads + 1] - first);
+      if (count == 1) {  // QT lanes for one row would do QT times the arithmetic
+        lone.start(qp + first * q_row + h * G * q_head, q_head, fscale);
+        const int64_t len = lens[first];
+        for (int64_t start = 0, b = 0; start < len; start += block, ++b) {
+          const int64_t blk = tables[first * width + b];
+          TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " out of the cache");
+          const int64_t offset = (blk * num_kv_heads + h) * block * DIM;
+          lone.block_step(kc + offset, vc + offset, std::min(block, len - start));
+        }
+        lone.finish(op + (first * num_heads + h * G) * DIM);
+        continue;
+      }
       for (int t = 0; t < count; ++t) {
         queries[t] = qp + (first + t) * q_row + h * G * q_head;
         outs[t] = op + ((first + t) * num_heads + h * G) * DIM;
