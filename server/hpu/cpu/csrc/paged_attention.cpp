@@ -422,9 +422,11 @@ bool dispatch_groups(int64_t groups, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& seq_lens, double scale, at::Tensor& out) {
 #define HPU_SERVE_GROUPS(G)                                                                 \
   case G:                                                                                  \
-    if (G <= 4 && prompt_attention_impl<T, (G <= 4 ? G : 1), DIM>(                         \
-                      query, k_cache, v_cache, block_tables, seq_lens, scale, out)) {      \
-      return true;                                                                         \
+    if constexpr (G <= 4) { /* G x 4 lanes fit the vector registers */                    \
+      if (prompt_attention_impl<T, G, DIM>(query, k_cache, v_cache, block_tables, seq_lens, \
+                                           scale, out)) {                                  \
+        return true;                                                                       \
+      }                                                                                    \
     }                                                                                      \
     decode_attention_impl<T, FastHead<T, G, DIM>>(query, k_cache, v_cache, block_tables,    \
                                                   seq_lens, scale, out);                   \
