@@ -33,6 +33,17 @@ class ExecutionMode(str, enum.Enum):
         return self.value
 
 
+class FairShare(str, enum.Enum):
+    """Who counts as one client for fair admission and per-client limits (``--fair-share``)."""
+
+    OFF = "off"  # first come, first served (per-client limits then key by address)
+    API_KEY = "api-key"  # the bearer key of the request
+    ADDRESS = "address"  # the peer's IP address
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True, slots=True)
 class ModelOptions:
     """Which weights to serve and how to hold them."""
@@ -82,6 +93,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # split prompts over steps under the token budget, decodes first (eager execution)
     enable_chunked_prefill: bool = True
+    # admission round-robins over clients' waiting queues, and a client holding more than its
+    # share of the batch is preempted first when another client waits (--fair-share != off)
+    fair_share: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -139,6 +153,32 @@ class WarmupConfig:
             if getattr(self, name) not in ("min_tokens", "max_bs"):
                 raise ValueError(f"VLLM_GRAPH_{name.split('_')[0].upper()}_STRATEGY must be "
                                  "min_tokens or max_bs")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Bounds on grammar work (a JSON schema, regex, choice or EBNF from a request is compiled
+    on the server's CPU): beyond them the request gets a 400 naming the field and the limit."""
+
+    backend: str = "auto"  # --structured-outputs-backend (auto: xgrammar)
+    compile_timeout: float = 10.0  # seconds one grammar may take to compile
+    max_bytes: int = 65536  # text of one schema / regex / grammar / choice list
+    max_alternatives: int = 1024  # enum values, choices, anyOf/oneOf branches of one schema
+    workers: int = 2  # grammars compiled at once (their own pool: tokenizing never waits)
+    cache_size: int = 256  # compiled grammars kept (least recently used dropped)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "xgrammar"):
+            raise ValueError("--structured-outputs-backend must be auto or xgrammar")
+        if self.compile_timeout <= 0:
+            raise ValueError("--grammar-compile-timeout must be > 0")
+        for name in ("max_bytes", "max_alternatives", "workers", "cache_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_GRAMMAR_FLAGS[name]} must be >= 1")
+
+
+_GRAMMAR_FLAGS = {"max_bytes": "max-grammar-bytes", "max_alternatives": "max-grammar-alternatives",
+                  "workers": "grammar-workers", "cache_size": "grammar-cache-size"}
 
 
 # (min, step, max) of one bucket dimension; None where the user left the default.
@@ -252,6 +292,7 @@ class EngineConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # What start-up builds once and reuses on restarts: the fused CPU kernels and GGUF
     # tokenizers converted to Hugging Face files (HPU_SERVE_CACHE_DIR; None: the default
     # ~/.cache/hpu-serve, or a temp dir where that is not writable).
@@ -311,6 +352,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "xgrammar"],
                         help="grammar engine of response_format / guided_* / "
                              "structured_outputs (auto: xgrammar)")
+    grammar = parser.add_argument_group("grammar bounds (beyond them: 400 naming the field)")
+    grammar.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                         help="seconds one grammar may take to compile")
+    grammar.add_argument("--max-grammar-bytes", type=int, default=65536,
+                         help="size of one schema, regex, grammar or choice list")
+    grammar.add_argument("--max-grammar-alternatives", type=int, default=1024,
+                         help="enum values, choices or anyOf/oneOf branches in one constraint")
+    grammar.add_argument("--grammar-workers", type=int, default=2,
+                         help="grammars compiled at once, in their own pool")
+    grammar.add_argument("--grammar-cache-size", type=int, default=256,
+                         help="compiled grammars kept for reuse (least recently used dropped)")
     parser.add_argument("--execution-mode", default="auto",
                         choices=["auto", "eager", "compile", "graphs"],
                         help="auto: HPU/CUDA graphs on accelerators, eager on CPU")
@@ -352,6 +404,7 @@ def engine_config_from_args(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            fair_share=FairShare(getattr(args, "fair_share", "off")) is not FairShare.OFF,
         ),
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             execution_mode=args.execution_mode,
@@ -369,6 +422,14 @@ def engine_config_from_args(
             tensor_parallel_size=args.tensor_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
             collective_timeout=_float(env, "HPU_SERVE_COLLECTIVE_TIMEOUT", 600.0),
+        ),
+        structured_outputs=StructuredOutputsConfig(
+            backend=args.structured_outputs_backend,
+            compile_timeout=args.grammar_compile_timeout,
+            max_bytes=args.max_grammar_bytes,
+            max_alternatives=args.max_grammar_alternatives,
+            workers=args.grammar_workers,
+            cache_size=args.grammar_cache_size,
         ),
         cache_dir=env.get("HPU_SERVE_CACHE_DIR") or None,
     )
@@ -428,6 +489,8 @@ class RequestLimits:
     max_prompts: int = 128
     # prompts x n x max_tokens of one call (max_tokens unset counts as the context length)
     max_tokens_per_request: int = 131072
+    # prompts x n of one call: sequences it adds to the batch
+    max_seqs_per_request: int = 256
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -456,7 +519,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     api_key: str | None = None
-    max_waiting_requests: int = 0
+    max_waiting_requests: int = 1024  # 0: unbounded
     max_body_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: float = 30.0
     allowed_origins: tuple[str, ...] = ("*",)
@@ -471,7 +534,20 @@ class ServerConfig:
     timeout_keep_alive: float = 5.0  # idle time between requests on one connection
     timeout_request_header: float = 20.0  # from connect / first byte to the end of headers
     timeout_request_body: float = 30.0  # longest pause while a body is being received
-    limit_concurrency: int = 512  # open connections served at once; 0: unbounded
+    limit_concurrency: int = 512  # requests served at once; 0: unbounded
+    # a connection that has sent no byte yet: seconds until it is closed, and how many such
+    # connections one address may hold (more are closed at once)
+    timeout_idle_connection: float = 5.0
+    max_idle_connections_per_address: int = 64
+    # who one client is (--fair-share): fair admission, and the key of --max-client-seqs
+    fair_share: FairShare = FairShare.ADDRESS
+    max_client_seqs: int = 0  # sequences one client may have in the engine; 0: unbounded
+    # threads for work whose cost grows with the input (tokenize, render, logprobs,
+    # serializing big answers): off the event loop, one client's share bounded
+    preprocess_workers: int = 4
+    # /health answers 503 when the engine has work but has not finished a step this long
+    health_stall_timeout: float = 120.0
+    max_request_id_length: int = 256  # X-Request-Id longer than this: 400
 
     def __post_init__(self) -> None:
         for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
@@ -479,6 +555,15 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.limit_concurrency < 0:
             raise ValueError("--limit-concurrency must be >= 0 (0: unbounded)")
+        for name in ("timeout_idle_connection", "health_stall_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        for name in ("max_idle_connections_per_address", "preprocess_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_client_seqs < 0 or self.max_waiting_requests < 0:
+            raise ValueError("--max-client-seqs and --max-waiting-requests must be >= 0 "
+                             "(0: unbounded)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -486,8 +571,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="or VLLM_API_KEY; protects /v1/*, "
                         "/reset_prefix_cache and /buckets/observed")
-    parser.add_argument("--max-waiting-requests", type=int, default=0,
-                        help="answer 503 once this many requests wait (0: unbounded)")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="answer 503 with Retry-After once this many requests wait "
+                             "(0: unbounded)")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
                         help="larger bodies (declared or chunked) are answered 413")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -509,6 +595,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-tokens-per-request", type=int, default=131072,
                         help="prompts x n x max_tokens of one request (an unset max_tokens "
                              "counts as the context length)")
+    limits.add_argument("--max-seqs-per-request", type=int, default=256,
+                        help="prompts x n of one request (the sequences it adds to the batch)")
+    fair = parser.add_argument_group("fairness between clients")
+    fair.add_argument("--fair-share", default="address", choices=[f.value for f in FairShare],
+                      help="who one client is: admission round-robins over clients' waiting "
+                           "requests, and a client over its share of the batch is preempted "
+                           "first when another waits (off: first come, first served)")
+    fair.add_argument("--max-client-seqs", type=int, default=0,
+                      help="sequences one client (--fair-share's key; the address when off) "
+                           "may have waiting or running; beyond: 503 (0: unbounded)")
+    fair.add_argument("--preprocess-workers", type=int, default=4,
+                      help="threads that tokenize, render templates and serialize big answers "
+                           "off the event loop (one client gets at most half)")
+    fair.add_argument("--health-stall-timeout", type=float, default=120.0,
+                      help="/health answers 503 once the engine has had work but finished no "
+                           "step for this many seconds")
     chat = parser.add_argument_group("tool calls and reasoning")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="let the model decide to call tools (tool_choice auto); needs "
@@ -528,8 +630,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="longest pause, in seconds, while a request body is received; "
                             "then 408 and close")
     conns.add_argument("--limit-concurrency", type=int, default=512,
-                       help="connections served at once; a request on one more is answered "
-                            "503 (0: unbounded; /health is always served)")
+                       help="requests served at once; one more is answered 503 (0: unbounded; "
+                            "/health is always served; idle connections do not count)")
+    conns.add_argument("--timeout-idle-connection", type=float, default=5.0,
+                       help="seconds a new connection may stay silent before it is closed")
+    conns.add_argument("--max-idle-connections-per-address", type=int, default=64,
+                       help="silent connections one address may hold; more are closed")
     parser.add_argument("--allowed-origins", nargs="*", default=["*"])
     parser.add_argument("--allowed-methods", nargs="*", default=["*"])
     parser.add_argument("--allowed-headers", nargs="*", default=["*"])
@@ -567,6 +673,7 @@ def server_config_from_args(
             max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
             max_messages=args.max_messages, max_prompts=args.max_prompts,
             max_tokens_per_request=args.max_tokens_per_request,
+            max_seqs_per_request=args.max_seqs_per_request,
         ),
         chat=ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
                          tool_call_parser=args.tool_call_parser,
@@ -575,4 +682,10 @@ def server_config_from_args(
         timeout_request_header=args.timeout_request_header,
         timeout_request_body=args.timeout_request_body,
         limit_concurrency=args.limit_concurrency,
+        timeout_idle_connection=args.timeout_idle_connection,
+        max_idle_connections_per_address=args.max_idle_connections_per_address,
+        fair_share=FairShare(args.fair_share),
+        max_client_seqs=args.max_client_seqs,
+        preprocess_workers=args.preprocess_workers,
+        health_stall_timeout=args.health_stall_timeout,
     )

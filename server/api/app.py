@@ -27,7 +27,13 @@ from server.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.api.serving import EngineClient, ServingContext, check_model, guarded_sse
+from server.api.serving import (
+    EngineClient,
+    RequestTag,
+    ServingContext,
+    check_model,
+    guarded_sse,
+)
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
 from server.api.tools import template_messages
@@ -62,12 +68,15 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
         allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
         allow_credentials=cfg.allow_credentials,
     )
-    app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                       fair_share=cfg.fair_share,
+                       max_request_id_length=cfg.max_request_id_length)
     return app
 
 
-def _request_id(request: Request) -> str:
-    return str(request.scope.get("state", {}).get("request_id"))
+def _tag(request: Request) -> RequestTag:
+    state = request.scope.get("state", {})
+    return RequestTag(str(state.get("request_id")), str(state.get("client", "addr:unknown")))
 
 
 async def _until_disconnect(request: Request, work: Awaitable[object]) -> object:
@@ -105,12 +114,12 @@ def _respond(result: object) -> Response:
 def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        work = create_chat_completion(ctx, body, _request_id(request))
+        work = create_chat_completion(ctx, body, _tag(request))
         return _respond(await _until_disconnect(request, work))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        work = create_completion(ctx, body, _request_id(request))
+        work = create_completion(ctx, body, _tag(request))
         return _respond(await _until_disconnect(request, work))
 
     @app.get("/v1/models")

@@ -1,13 +1,15 @@
-"""ASGI middleware: API key, request ids, body size limit."""
+"""ASGI middleware: API key, request ids, client identity, body size limit."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import uuid
 from typing import Any
 
 from server.api.errors import error_body
+from server.config import FairShare
 
 Scope = dict[str, Any]
 
@@ -23,18 +25,36 @@ async def _reply(send: Any, status: int, message: str, close: bool = False) -> N
 
 # Paths behind --api-key: the OpenAI API, the cache administration and the traffic shape
 # telemetry (it reveals prompt lengths and load).
-PROTECTED = ("/v1", "/reset_prefix_cache", "/buckets")
+# /tokenize and /detokenize cost CPU in proportion to their input: behind the key as well.
+PROTECTED = ("/v1", "/reset_prefix_cache", "/buckets", "/tokenize", "/detokenize")
+
+
+def client_key(scope: Scope, headers: dict[str, str], fair_share: FairShare) -> str:
+    """Who sent the request, for fair admission and per-client limits: the bearer key's digest
+    (never the key itself: it ends up in metrics and logs) or the peer's address."""
+    if fair_share is FairShare.API_KEY:
+        bearer = headers.get("authorization", "")
+        if bearer:
+            return "key:" + hashlib.sha256(bearer.encode("latin-1")).hexdigest()[:16]
+    client = scope.get("client")
+    return f"addr:{client[0]}" if client else "addr:unknown"
+
 
 class GuardMiddleware:
-    """Checks the bearer key on /v1/*, caps body size, and tags responses with X-Request-Id.
+    """Checks the bearer key on /v1/*, caps body size, tags responses with X-Request-Id and
+    names the client (``scope["state"]["client"]``) for fair admission.
 
     Plain ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched.
     """
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
+                 fair_share: FairShare = FairShare.ADDRESS,
+                 max_request_id_length: int = 256) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.fair_share = fair_share
+        self.max_request_id_length = max_request_id_length
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -42,7 +62,12 @@ class GuardMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        too_long = len(request_id) > self.max_request_id_length
+        if too_long:  # echoed in every header and SSE chunk: never repeat a huge one
+            request_id = uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["client"] = client_key(scope, headers, self.fair_share)
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -51,6 +76,10 @@ class GuardMiddleware:
                     (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
+        if too_long:
+            await _reply(send_with_id, 400, "X-Request-Id is longer than "
+                         f"{self.max_request_id_length} characters")
+            return
         if self.api_key and scope["path"].startswith(PROTECTED) and \
                 scope["method"] != "OPTIONS":
             given = headers.get("authorization", "")

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,7 +56,8 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None: ...
 
     async def submit(self, request_id: str, prompt: str | list[int],
-                     params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]: ...
+                     params: SamplingParams | None = None, client: str | None = None
+                     ) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -82,6 +84,22 @@ class ServingContext:
     chat: ChatOptions = field(default_factory=ChatOptions)
     tool_parser: type[ToolParser] | None = None  # --tool-call-parser
     reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTag:
+    """Who asked. ``request_id`` is what the client sees (its X-Request-Id, or a fresh one):
+    response ids, logs. The engine gets ids made unique by ``nonce``, so two requests with the
+    same X-Request-Id never share or cross-wire a stream, and learn nothing of each other.
+    ``client`` is the --fair-share key."""
+
+    request_id: str
+    client: str = "addr:unknown"
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def engine_id(self, index: int | None = None) -> str:
+        base = f"{self.request_id}-{self.nonce}"
+        return base if index is None else f"{base}-{index}"
 
 
 def check_model(ctx: ServingContext, name: str | None) -> None:
@@ -133,12 +151,13 @@ def build_sampling_params(
     return SamplingParams(**fields)
 
 
-async def submit(ctx: ServingContext, request_id: str, prompt: str | list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+async def submit(ctx: ServingContext, tag: RequestTag, prompt: str | list[int],
+                 params: SamplingParams, index: int | None = None
+                 ) -> AsyncIterator[RequestOutput]:
     if ctx.max_waiting_requests and ctx.engine.stats().num_waiting >= ctx.max_waiting_requests:
         raise APIError(503, f"the server is overloaded: {ctx.max_waiting_requests} requests "
                             "are already waiting; retry later")
-    return await ctx.engine.submit(request_id, prompt, params)
+    return await ctx.engine.submit(tag.engine_id(index), prompt, params, tag.client)
 
 
 class MetricsTap:

@@ -28,6 +28,7 @@ from server.api.protocol import (
 from server.api.request_checks import check_limits, check_messages, reject_unsupported
 from server.api.serving import (
     MetricsTap,
+    RequestTag,
     ServingContext,
     accumulate,
     build_sampling_params,
@@ -47,7 +48,7 @@ from server.engine.sampling_params import SamplingParams
 
 
 async def create_chat_completion(
-    ctx: ServingContext, req: ChatCompletionRequest, request_id: str
+    ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
 ) -> ChatCompletionResponse | AsyncIterator[str]:
     check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
@@ -76,8 +77,8 @@ async def create_chat_completion(
     except ValueError as exc:  # no template, unsupported content parts, template errors
         raise APIError(400, str(exc), "messages") from None
     params = _with_tool_constraint(ctx, params, plan, prompt_text)
-    stream = tapped(await submit(ctx, request_id, prompt_ids, params), MetricsTap(ctx.metrics, params))
-    response_id = f"chatcmpl-{request_id}"
+    stream = tapped(await submit(ctx, tag, prompt_ids, params), MetricsTap(ctx.metrics, params))
+    response_id = f"chatcmpl-{tag.request_id}"
 
     def reader() -> ChoiceReader:
         return ChoiceReader(plan, ctx.reasoning_parser)

@@ -14,6 +14,7 @@ from server.api.protocol import (
 from server.api.request_checks import check_limits, reject_unsupported
 from server.api.serving import (
     MetricsTap,
+    RequestTag,
     ServingContext,
     build_sampling_params,
     check_model,
@@ -41,7 +42,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
 
 
 async def create_completion(
-    ctx: ServingContext, req: CompletionRequest, request_id: str
+    ctx: ServingContext, req: CompletionRequest, tag: RequestTag
 ) -> CompletionResponse | AsyncIterator[str]:
     check_model(ctx, req.model)
     reject_unsupported(req, chat=False)
@@ -59,13 +60,13 @@ async def create_completion(
     streams = []
     try:
         for i, prompt in enumerate(prompts):
-            stream = await submit(ctx, f"{request_id}-{i}", prompt, params)
+            stream = await submit(ctx, tag, prompt, params, index=i)
             streams.append(tapped(stream, MetricsTap(ctx.metrics, params)))
     except BaseException:
         for i in range(len(streams)):
-            ctx.engine.abort(f"{request_id}-{i}")
+            ctx.engine.abort(tag.engine_id(i))
         raise
-    response_id = f"cmpl-{request_id}"
+    response_id = f"cmpl-{tag.request_id}"
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(ctx, streams, response_id, req, include_usage)

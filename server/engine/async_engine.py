@@ -197,23 +197,32 @@ class AsyncEngine:
             self.on_dead(exc)
 
     async def submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        client: str = "",
     ) -> RequestStream:
-        """Validates (raising RequestError) and queues a request; iterate the result."""
+        """Validates (raising RequestError) and queues a request; iterate the result.
+        ``client``: who sent it, for fair admission (``--fair-share``)."""
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self.dead_reason!r}")
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        # Claimed before the first await: a second submit with the same id is refused above
+        # instead of replacing this stream while this one is still being tokenized.
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
         arrival = time.monotonic()  # before tokenizing: requests are tokenized concurrently
         self._transit(+1)
         try:
             state = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params,
-                                            arrival)
+                                            arrival, client)
         except BaseException:
             self._transit(-1)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             raise
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
+        if self._streams.get(request_id) is not stream:  # aborted meanwhile (shutdown)
+            self._transit(-1)
+            raise RequestError("the request was aborted before it was queued", "request_id")
         self._commands.put(AddRequest(state))
         return stream
 

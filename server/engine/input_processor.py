@@ -44,13 +44,14 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int],
                 params: SamplingParams | None = None,
-                arrival_time: float | None = None) -> RequestState:
+                arrival_time: float | None = None, client: str = "") -> RequestState:
         params = params or SamplingParams()
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = self._check(prompt_ids, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now)
+        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now,
+                         client=client)
                 for i in range(params.n)]
         if params.structured_outputs is not None:
             self._attach_grammars(seqs, params.structured_outputs)

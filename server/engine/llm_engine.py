@@ -164,9 +164,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        client: str = "",
     ) -> None:
         """Validates and queues a request; raises RequestError if it can never be served."""
-        self.enqueue(self.prepare(request_id, prompt, params, arrival_time))
+        self.enqueue(self.prepare(request_id, prompt, params, arrival_time, client))
 
     def prepare(
         self,
@@ -174,9 +175,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        client: str = "",
     ) -> RequestState:
         """Tokenizes and validates without touching engine state: safe from any thread."""
-        return self.input_processor.process(request_id, prompt, params, arrival_time)
+        return self.input_processor.process(request_id, prompt, params, arrival_time, client)
 
     def enqueue(self, state: RequestState) -> None:
         """Queues a prepared request (engine thread only)."""

@@ -51,6 +51,8 @@ class Sequence:
     # Tokens whose K/V are in the cache: the next prefill chunk starts here (a cached
     # prefix counts; so do the earlier chunks of a chunked prompt)
     num_computed_tokens: int = 0
+    # Who sent it (the server's --fair-share key; "" offline): fair admission and preemption
+    client: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -81,7 +81,8 @@ class FakeEngine:
         return {"format": "hpu-serve/observed-shapes/v1", "phases": {}, "warmup_seconds": {}}
 
     async def submit(self, request_id: str, prompt: str | list[int],
-                     params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+                     params: SamplingParams | None = None, client: str = ""
+                     ) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         self.submitted.append((request_id, prompt, params))
         return self._outputs(request_id, prompt, params)
