@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import resource
 import signal
 import socket
 import threading
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from server.api.connections import ConnectionLimits, protocol_factory
+from server.api.connections import ConnectionBook, ConnectionLimits, protocol_factory
 from server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -73,15 +74,18 @@ class HttpServer:
                  on_deadline: Callable[[], None] | None = None) -> None:
         limits = ConnectionLimits(header_timeout=cfg.timeout_request_header,
                                   body_timeout=cfg.timeout_request_body,
-                                  max_connections=cfg.limit_concurrency)
+                                  max_requests=cfg.limit_concurrency,
+                                  idle_timeout=cfg.timeout_idle_connection,
+                                  max_idle_per_address=cfg.max_idle_connections_per_address)
         config = uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
             access_log=not cfg.disable_access_log,
             timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout + FLUSH_SECONDS),
             timeout_keep_alive=cfg.timeout_keep_alive,
-            # h11 with request deadlines and a JSON 503 connection cap (server/api/
-            # connections.py); uvicorn's own limit_concurrency stays off
-            http=protocol_factory(limits),
+            # h11 with idle and request deadlines and a JSON 503 cap on requests in flight
+            # (server/api/connections.py); uvicorn's own limit_concurrency, which counts
+            # silent connections too, stays off
+            http=protocol_factory(ConnectionBook(limits)),
         )
         self._server = GracefulServer(config, cfg.shutdown_timeout, on_deadline)
 
@@ -90,4 +94,27 @@ class HttpServer:
 
     def run(self) -> None:
         """Binds the port (only now: the engine is loaded and warmed up) and serves."""
+        raise_fd_limit()
         asyncio.run(self._server.serve())
+
+
+def raise_fd_limit() -> None:
+    """Lifts the soft limit on open files to the hard one: every connection, a silent one
+    included, holds a descriptor, and the usual soft limit (1,024) is what a thousand idle
+    connections need by themselves."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        logger.debug("Open files limit: %s (already the hard limit)", _limit(soft))
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # e.g. macOS refuses an unlimited soft limit
+        logger.debug("Open files limit stays at %s (hard %s): %s", _limit(soft), _limit(hard),
+                     exc)
+        return
+    logger.debug("Open files limit raised from %s to the hard limit, %s", _limit(soft),
+                 _limit(hard))
+
+
+def _limit(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else str(value)

@@ -1,6 +1,8 @@
 """Connection hygiene against a real server, with raw sockets: stalled headers and bodies
-are cut after their timeouts (408), idle keep-alive connections are closed, the connection
-cap answers a JSON 503, and a chunked body over the size limit is a 413."""
+are cut after their timeouts (408), idle keep-alive connections are closed, a connection
+that sends nothing is closed at the idle deadline and one address holds only so many of
+them, the cap on requests in flight answers a JSON 503 (silent connections do not count
+against it), and a chunked body over the size limit is a 413."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ BODY_TIMEOUT = 3.0
 KEEP_ALIVE = 1.0
 LIMIT = 3
 MAX_BODY = 4096
+IDLE_TIMEOUT = 2.5
+IDLE_PER_ADDRESS = 4
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,9 @@ def srv(tiny_model):
                           "--timeout-request-body", str(BODY_TIMEOUT),
                           "--timeout-keep-alive", str(KEEP_ALIVE),
                           "--limit-concurrency", str(LIMIT),
-                          "--max-request-body-bytes", str(MAX_BODY))
+                          "--max-request-body-bytes", str(MAX_BODY),
+                          "--timeout-idle-connection", str(IDLE_TIMEOUT),
+                          "--max-idle-connections-per-address", str(IDLE_PER_ADDRESS))
     yield server
     server.stop()
 
@@ -74,10 +80,48 @@ def test_a_partial_header_is_cut_after_the_header_timeout(srv) -> None:
     assert healthy(srv)
 
 
-def test_a_silent_connection_is_cut_too(srv) -> None:
+def test_a_silent_connection_is_closed_at_the_idle_deadline_without_a_response(srv) -> None:
     with connect(srv) as sock:
         data, elapsed = read_until_closed(sock)
-    assert data.startswith(b"HTTP/1.1 408") and elapsed < HEADER_TIMEOUT + 3
+    assert data == b""  # no request, nothing to answer
+    assert IDLE_TIMEOUT * 0.8 < elapsed < IDLE_TIMEOUT + 3
+
+
+def test_the_header_deadline_runs_from_the_first_byte(srv) -> None:
+    """A connection opened ahead of use (a pool, a browser's preconnect) that speaks before
+    the idle deadline gets the whole header deadline from its first byte."""
+    with connect(srv) as sock:
+        time.sleep(IDLE_TIMEOUT * 0.6)
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        data, elapsed = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 408") and b"headers" in data
+    assert HEADER_TIMEOUT * 0.8 < elapsed < HEADER_TIMEOUT + 3
+
+
+def test_one_address_holds_only_so_many_silent_connections(srv) -> None:
+    """Beyond --max-idle-connections-per-address the oldest silent ones are closed at once;
+    the newest stay until the idle deadline, and one that speaks is served."""
+    surplus = 3
+    socks = []
+    for _ in range(IDLE_PER_ADDRESS + surplus):
+        socks.append(connect(srv))
+        time.sleep(0.05)  # the server sees them in this order
+    try:
+        start = time.monotonic()
+        for sock in socks[:surplus]:
+            data, _ = read_until_closed(sock, limit=IDLE_TIMEOUT * 0.6)
+            assert data == b""
+        assert time.monotonic() - start < IDLE_TIMEOUT * 0.6
+        for sock in socks[surplus:]:  # still open: a recv would time out, not return b""
+            sock.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
+        socks[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        socks[-1].settimeout(10)
+        assert socks[-1].recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def test_dribbling_a_header_does_not_extend_the_deadline(srv) -> None:
@@ -145,6 +189,26 @@ def test_the_connection_cap_answers_a_json_503_and_health_stays_up(srv) -> None:
             sock.close()
     time.sleep(0.3)
     assert httpx.get(srv.base_url + "/v1/models", timeout=10).status_code == 200
+
+
+def test_silent_connections_do_not_count_against_the_cap(srv) -> None:
+    """Outage 2 of issue 33 in small: more silent connections than --limit-concurrency (from
+    two addresses, within each one's share) and a request is still served."""
+    silent = [connect(srv) for _ in range(IDLE_PER_ADDRESS)]
+    for _ in range(IDLE_PER_ADDRESS):
+        sock = socket.socket()
+        sock.bind(("127.0.0.2", 0))
+        sock.connect(("127.0.0.1", srv.port))
+        silent.append(sock)
+    assert len(silent) > LIMIT + 1
+    try:
+        time.sleep(0.3)
+        resp = httpx.post(srv.base_url + "/v1/completions", timeout=30,
+                          json={"prompt": "Hello", "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+    finally:
+        for sock in silent:
+            sock.close()
 
 
 def test_a_chunked_body_over_the_limit_is_413(srv) -> None:
