@@ -532,7 +532,7 @@ class ServerConfig:
     chat: ChatOptions = field(default_factory=ChatOptions)
     # Connections (uvicorn's names where it has them)
     timeout_keep_alive: float = 5.0  # idle time between requests on one connection
-    timeout_request_header: float = 20.0  # from connect / first byte to the end of headers
+    timeout_request_header: float = 20.0  # from a request's first byte to its headers' end
     timeout_request_body: float = 30.0  # longest pause while a body is being received
     limit_concurrency: int = 512  # requests served at once; 0: unbounded
     # a connection that has sent no byte yet: seconds until it is closed, and how many such
@@ -625,7 +625,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds an idle keep-alive connection stays open")
     conns.add_argument("--timeout-request-header", type=float, default=20.0,
                        help="seconds a client has to send a request's headers (from the "
-                            "connection or its first byte); then 408 and close")
+                            "request's first byte); then 408 and close")
     conns.add_argument("--timeout-request-body", type=float, default=30.0,
                        help="longest pause, in seconds, while a request body is received; "
                             "then 408 and close")

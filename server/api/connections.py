@@ -81,9 +81,6 @@ class ConnectionBook:
         self._evicted_since_warning = 0
         self._last_warning = -EVICTION_WARNING_INTERVAL
 
-    def silent_count(self, address: str) -> int:
-        return len(self._silent.get(address, ()))
-
     def add_silent(self, conn: GuardedH11Protocol, address: str) -> GuardedH11Protocol | None:
         """Registers a new silent connection; returns the one to close if ``address`` now
         holds more than its share. The oldest goes, not the new one: the new one is the
@@ -103,7 +100,7 @@ class ConnectionBook:
         if conns is None:
             return
         conns.pop(conn, None)
-        if not conns:  # the book holds no address for long
+        if not conns:  # the book does not grow with every address ever seen
             del self._silent[address]
 
     def _note_eviction(self, address: str) -> None:

@@ -7,9 +7,13 @@ against it), and a chunked body over the size limit is a 413."""
 from __future__ import annotations
 
 import json
+import resource
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -225,3 +229,19 @@ def test_a_chunked_body_over_the_limit_is_413(srv) -> None:
                        content=iter([b'{"prompt": "hi", ', b'"max_tokens": 1}']),
                        headers={"content-type": "application/json"})
     assert small.status_code == 200, small.text
+
+
+def test_the_server_raises_its_open_files_limit_to_the_hard_one() -> None:
+    """A thousand idle connections need a thousand descriptors: the usual soft limit of 1,024
+    would make accept() fail for everyone. Started with a low soft limit, the server lifts it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 256
+    if hard != resource.RLIM_INFINITY and hard <= low:
+        pytest.skip(f"hard open-files limit is {hard}")
+    code = ("import resource; from server.api.http_server import raise_fd_limit; "
+            "raise_fd_limit(); print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
+    assert [int(v) for v in out.stdout.split()] == [hard, hard]
