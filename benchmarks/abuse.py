@@ -40,6 +40,7 @@ import asyncio
 import collections
 import ipaddress
 import json
+import os
 import resource
 import signal
 import socket
@@ -72,6 +73,7 @@ class Result:
     health_after: str = "?"
     kv_after: float | None = None
     attack_s: float = 0.0
+    load: float = 0.0  # the machine's 1-minute load average at the end: how noisy it was
 
     @property
     def ratio(self) -> float:
@@ -235,7 +237,7 @@ async def idle_connections(url: str, model: str, scale: float, tally: collection
             tally["opened"] += 1
             try:  # nothing sent; wait for the server to close it (EOF), then reopen
                 await asyncio.wait_for(reader.read(), max(0.1, deadline - time.monotonic()))
-                tally["closed-by-server"] += 1
+                tally["closed"] += 1
             except (OSError, asyncio.TimeoutError):
                 pass
             finally:
@@ -326,6 +328,7 @@ async def run_attack(url: str, model: str, number: int, name: str, attack: Attac
         if not settled:
             result.health_after += " (busy)"
         result.kv_after = await metric(client, url, "vllm:kv_cache_usage_perc")
+        result.load = os.getloadavg()[0]
     return result
 
 
@@ -382,18 +385,22 @@ async def oversized_rss(url: str, model: str, pid: int | None, requests: int,
 # --- printing ---------------------------------------------------------------------------------
 
 def print_table(results: list[Result]) -> None:
-    head = (f"{'#':>2} {'attack':<36} {'idle s':>7} {'med s':>7} {'max s':>7} {'max/idle':>8}  "
-            f"{'control':<16} {'attack got':<30} {'health during':<16} {'after':<9} kv after")
+    """One line per attack; a second one with what the requests got. The ratio is marked
+    ``!`` when a control request failed (a fast 503 is no service, however quick)."""
+    head = (f"{'#':>2} {'attack':<34} {'idle s':>7} {'med s':>7} {'max s':>7} {'max/idle':>9} "
+            f"{'health during':<16} {'after':<10} {'kv after':>8} {'load':>5}")
     print(head)
     print("-" * len(head))
     for r in results:
         med = statistics.median(r.during_s) if r.during_s else float("nan")
         mx = max(r.during_s) if r.during_s else float("nan")
+        failed = "!" if set(r.control) - {"200"} else " "
         kv = f"{r.kv_after:.3f}" if r.kv_after is not None else "n/a"
-        print(f"{r.number:>2} {r.name:<36} {r.idle_s:7.3f} "
-              f"{med:7.3f} {mx:7.2f} {r.ratio:8.1f}  {counts(r.control):<16} "
-              f"{counts(r.attack) + f' ({r.attack_s:.0f}s)':<30} {counts(r.health_during):<16} "
-              f"{r.health_after:<9} {kv}")
+        print(f"{r.number:>2} {r.name:<34} {r.idle_s:7.3f} {med:7.3f} {mx:7.2f} "
+              f"{r.ratio:8.1f}{failed} {counts(r.health_during):<16} {r.health_after:<10} "
+              f"{kv:>8} {r.load:5.1f}")
+        print(f"{'':>3}control got {counts(r.control)}; attack got {counts(r.attack)} "
+              f"in {r.attack_s:.0f} s")
 
 
 # --- the server, when this script starts it -----------------------------------------------------
@@ -460,6 +467,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def main_async(args: argparse.Namespace, url: str, pid: int | None) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+    await idle_latency(url, model, 3)  # warm-up: first requests pay one-time costs
     catalogue = attacks(args)
     results = []
     for number in args.attacks:
