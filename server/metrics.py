@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -24,6 +30,8 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0)
 
 
 class EngineCollector(Collector):
@@ -96,6 +104,19 @@ class ServerMetrics:
                                            (1, 2, 5, 10, 20))
         self.request_params_max_tokens = self._hist(
             "vllm:request_params_max_tokens", "The max_tokens parameter.", _TOKEN_BUCKETS)
+
+        # hpu_serve's own: how late the event loop wakes (a probe sleeps 0.1 s, again and
+        # again); a loop held by one request's work delays every other client
+        self.loop_lag = self._hist("hpu_serve:event_loop_lag_seconds",
+                                   "How late the event loop woke from a 0.1 s sleep.",
+                                   _LAG_BUCKETS)
+        self.loop_lag_last = Gauge("hpu_serve:event_loop_lag_last_seconds",
+                                   "The event loop's lag at the latest probe.", m,
+                                   registry=r).labels(model_name)
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.observe(seconds)
+        self.loop_lag_last.set(seconds)
 
     def _hist(self, name: str, doc: str, buckets: tuple = _REQUEST_BUCKETS) -> Any:
         return Histogram(name, doc, ["model_name"], buckets=buckets,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import server
+from server.api.answer_json import dumps
 from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
 from server.api.middleware import GuardMiddleware
@@ -27,18 +29,26 @@ from server.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.api.request_body import body_schema, parse_body
+from server.api.request_checks import check_messages
 from server.api.serving import (
     EngineClient,
     RequestTag,
     ServingContext,
     check_model,
     guarded_sse,
+    content_bytes,
+    refuse_oversized,
 )
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
 from server.api.tools import template_messages
+from server.api.workers import PreprocessPool
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
+
+# How often the event loop checks how late it wakes (hpu_serve:event_loop_lag_seconds).
+LAG_PROBE_INTERVAL_S = 0.1
 
 
 def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
@@ -49,13 +59,20 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     tool_parser, reasoning_parser = chat_parsers(cfg.chat)
     ctx = ServingContext(engine, engine.model_name, engine.max_model_len, metrics,
                          cfg.max_waiting_requests, cfg.limits, cfg.chat, tool_parser,
-                         reasoning_parser)
+                         reasoning_parser, PreprocessPool(cfg.preprocess_workers))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        yield
-        await engine.shutdown()
+        # the oversized-prompt bound decodes the vocabulary once: here, not in a request
+        await ctx.workers.run("startup", lambda: engine.tokenizer.max_token_bytes)
+        probe = asyncio.ensure_future(_probe_lag(metrics))
+        try:
+            yield
+        finally:
+            probe.cancel()
+            await engine.shutdown()
+            ctx.workers.shutdown()
 
     app = FastAPI(title="hpu-serve", version=server.__version__, lifespan=lifespan)
     app.state.ctx = ctx
@@ -71,7 +88,24 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        fair_share=cfg.fair_share,
                        max_request_id_length=cfg.max_request_id_length)
+    app.state.health_stall_timeout = cfg.health_stall_timeout
     return app
+
+
+async def _probe_lag(metrics: ServerMetrics) -> None:
+    """How late the loop wakes from a short sleep: the time every ready callback (a request
+    being parsed, a response being written) waited behind whatever held the loop."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(LAG_PROBE_INTERVAL_S)
+        metrics.observe_loop_lag(max(0.0, loop.time() - start - LAG_PROBE_INTERVAL_S))
+
+
+class JSONBytes(Response):
+    """A JSON body already serialized (on a worker)."""
+
+    media_type = "application/json"
 
 
 def _tag(request: Request) -> RequestTag:
@@ -112,14 +146,23 @@ def _respond(result: object) -> Response:
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        work = create_chat_completion(ctx, body, _tag(request))
+    def few_messages(data: Any) -> None:  # before validating 300,000 of them
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            check_messages(ctx.limits, len(data["messages"]))
+
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat(request: Request) -> Response:
+        tag = _tag(request)
+        body = await parse_body(request, ChatCompletionRequest, ctx.workers, tag.client,
+                                few_messages)
+        work = create_chat_completion(ctx, body, tag)
         return _respond(await _until_disconnect(request, work))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        work = create_completion(ctx, body, _tag(request))
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        tag = _tag(request)
+        body = await parse_body(request, CompletionRequest, ctx.workers, tag.client)
+        work = create_completion(ctx, body, tag)
         return _respond(await _until_disconnect(request, work))
 
     @app.get("/v1/models")
@@ -142,6 +185,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def health() -> Response:
         if not ctx.engine.is_alive:
             raise APIError(503, "the engine loop is not running")
+        stalled = ctx.engine.stalled_for()
+        if stalled > app.state.health_stall_timeout:
+            raise APIError(503, f"the engine has had work but finished no step for "
+                                f"{stalled:.0f} s (--health-stall-timeout "
+                                f"{app.state.health_stall_timeout:g})", code="engine_stalled")
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -152,27 +200,47 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def metrics() -> Response:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest),
+              response_model=TokenizeResponse)
+    async def tokenize(request: Request) -> Response:
+        tag = _tag(request)
+        body = await parse_body(request, TokenizeRequest, ctx.workers, tag.client,
+                                few_messages)
         check_model(ctx, body.model)
         tok = ctx.engine.tokenizer
-        if body.messages is not None:
-            messages = template_messages([m.model_dump(exclude_none=True)
-                                          for m in body.messages])
-            try:
-                tokens = tok.encode_chat(messages, body.add_generation_prompt)
-            except ValueError as exc:  # the template refused them, as in chat completions
-                raise APIError(400, str(exc), "messages") from None
-        elif body.prompt is not None:
-            tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise APIError(400, "either prompt or messages is required", "prompt")
-        return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        def count() -> bytes:  # on a worker: a 15 MB prompt took 8 s on the loop
+            if body.messages is not None:
+                refuse_oversized(ctx, content_bytes(body.messages), "messages", leave=0)
+                messages = template_messages([m.model_dump(exclude_none=True)
+                                              for m in body.messages])
+                text = tok.apply_chat_template(messages, body.add_generation_prompt)
+                tokens = tok.encode(text, add_special_tokens=False)
+            elif body.prompt is not None:
+                refuse_oversized(ctx, len(body.prompt.encode("utf-8")), "prompt", leave=0)
+                tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                raise APIError(400, "either prompt or messages is required", "prompt")
+            return dumps({"count": len(tokens), "max_model_len": ctx.max_model_len,
+                          "tokens": tokens}).encode("utf-8")
+
+        try:
+            return JSONBytes(await ctx.workers.run(tag.client, count))
+        except ValueError as exc:  # the template refused them, as in chat completions
+            raise APIError(400, str(exc), "messages") from None
+
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest),
+              response_model=DetokenizeResponse)
+    async def detokenize(request: Request) -> Response:
+        tag = _tag(request)
+        body = await parse_body(request, DetokenizeRequest, ctx.workers, tag.client)
         check_model(ctx, body.model)
-        vocab = ctx.engine.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(body.tokens))
+        tok = ctx.engine.tokenizer
+
+        def text() -> bytes:
+            vocab = tok.vocab_size
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+            return dumps({"prompt": tok.decode(body.tokens)}).encode("utf-8")
+
+        return JSONBytes(await ctx.workers.run(tag.client, text))

@@ -19,10 +19,14 @@ from pydantic.json_schema import models_json_schema
 
 from server.api.protocol import (
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ErrorResponse,
     HealthResponse,
+    TokenizeRequest,
 )
 
 _REF = "#/components/schemas/{model}"
@@ -78,7 +82,11 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     models: list[type[BaseModel]] = [ErrorResponse, ChatCompletionResponse, ChatCompletionChunk,
                                      CompletionResponse, HealthResponse]
-    _, defs = models_json_schema([(m, "serialization") for m in models], ref_template=_REF)
+    # bodies the routes parse on a worker (server/api/request_body.py), not through FastAPI
+    bodies: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                                     DetokenizeRequest]
+    _, defs = models_json_schema([(m, "validation") for m in bodies]
+                                 + [(m, "serialization") for m in models], ref_template=_REF)
     components.update(defs.get("$defs", {}))
     error_content = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
     for path, item in schema["paths"].items():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from server.api.text_fields import Text, text_only_parts
+from server.api.text_fields import Text, no_bool_token_ids, text_only_parts
 
 # OpenAI's published ranges (API specification 2.3.0); configurable limits that depend on
 # the deployment (--max-logprobs, --max-stop-strings...) are in request_checks.py.
@@ -181,10 +181,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    # strict: JSON true / false are not token ids 1 / 0
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: Text | None = None
+
+    _token_ids = field_validator("prompt", mode="before")(no_bool_token_ids)
 
 
 class UsageInfo(BaseModel):
@@ -336,7 +339,9 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: Text | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
+
+    _token_ids = field_validator("tokens", mode="before")(no_bool_token_ids)
 
 
 class DetokenizeResponse(BaseModel):

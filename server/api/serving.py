@@ -6,10 +6,9 @@ import asyncio
 import functools
 import hashlib
 import json
-import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,11 +16,15 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
 import server
+from starlette.responses import Response
+
+from server.api.answer_json import LOGPROB_FLOOR, LogprobFormatter, json_logprob
 from server.api.errors import APIError, error_body, stream_error
-from server.api.protocol import SamplingFields, UsageInfo
+from server.api.protocol import ChatMessage, SamplingFields, UsageInfo
 from server.api.reasoning_parsers import ReasoningParser
 from server.api.structured import structured_outputs_of
 from server.api.tool_parsers import ToolParser
+from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 from server.config import ChatOptions, RequestLimits
 from server.engine.llm_engine import EngineStats
 from server.engine.outputs import RequestOutput
@@ -61,6 +64,9 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def stalled_for(self) -> float:
+        """Seconds the engine has had work without making progress (0.0: it is fine)."""
+
     async def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix; the number of blocks that were cached."""
 
@@ -84,6 +90,13 @@ class ServingContext:
     chat: ChatOptions = field(default_factory=ChatOptions)
     tool_parser: type[ToolParser] | None = None  # --tool-call-parser
     reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser
+    # --preprocess-workers: tokenizing, templates, logprobs, big answers (never the loop)
+    workers: PreprocessPool = field(default_factory=lambda: PreprocessPool(4))
+    # the engine's tokenizer's logprob texts, cached per token id
+    logprobs: LogprobFormatter = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "logprobs", LogprobFormatter(self.engine.tokenizer))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +120,38 @@ def check_model(ctx: ServingContext, name: str | None) -> None:
         raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
 
-LOGPROB_FLOOR = -9999.0
+__all__ = ["LOGPROB_FLOOR", "json_logprob"]  # re-exported: their home is answer_json
+
+
+def content_bytes(messages: list[ChatMessage]) -> int:
+    """UTF-8 bytes of the text a chat template must copy into the prompt. Assistant turns
+    are left out: a template may drop their reasoning from the history."""
+    total = 0
+    for m in messages:
+        if m.role == "assistant":
+            continue
+        if isinstance(m.content, str):
+            total += len(m.content.encode("utf-8"))
+        elif m.content:
+            total += sum(len(part.text.encode("utf-8")) for part in m.content)
+    return total
+
+
+def refuse_oversized(ctx: ServingContext, text_bytes: int, field_name: str,
+                     leave: int = 1) -> None:
+    """400 without tokenizing when ``text_bytes`` of text provably hold more tokens than
+    the context (less ``leave`` tokens) allows: no token stands for more bytes than the
+    tokenizer's longest. Call it on a worker (the bound is computed once, on first use)."""
+    per_token = ctx.engine.tokenizer.max_token_bytes
+    if per_token is None:
+        return
+    at_least = -(-text_bytes // per_token)
+    if at_least > ctx.max_model_len - leave:
+        raise APIError(
+            400, f"This model's maximum context length is {ctx.max_model_len} tokens, but "
+                 f"the text of {field_name} alone holds at least {at_least} tokens "
+                 f"({text_bytes} bytes, at most {per_token} bytes per token); shorten it.",
+            field_name)
 
 
 @functools.lru_cache(maxsize=8)
@@ -258,6 +302,16 @@ async def guarded_sse(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield sse("[DONE]")
 
 
+async def json_answer(ctx: ServingContext, tag: RequestTag, build: Callable[[], bytes]
+                      ) -> Response:
+    """A non-streamed answer, assembled and serialized on a worker (``build``): a big one
+    (n=128 with logprobs is ~100 MB of JSON) never holds the event loop."""
+    body = await ctx.workers.run(tag.client, build)
+    if len(body) >= BIG_REQUEST_BYTES:
+        ctx.workers.trim_soon()
+    return Response(body, media_type="application/json")
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
@@ -267,22 +321,17 @@ def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def sse_chunk(body: BaseModel) -> str:
+def sse_chunk(body: BaseModel, logprobs: list[dict[str, Any] | None] | None = None) -> str:
     """A stream chunk as OpenAI writes it: unset optional fields left out, except that every
-    choice states its ``finish_reason`` (null until the last chunk)."""
+    choice states its ``finish_reason`` (null until the last chunk). ``logprobs``: plain
+    dicts put into the choices (aligned with them), not pydantic objects."""
     data = body.model_dump(exclude_none=True)
-    for choice in data.get("choices", []):
+    for i, choice in enumerate(data.get("choices", [])):
         choice.setdefault("finish_reason", None)
-        choice.setdefault("logprobs", None)
+        choice.setdefault("logprobs", logprobs[i] if logprobs else None)
     # allow_nan=False: a NaN must fail the stream (an error event), never go out as
     # "NaN", which no JSON parser accepts
     return sse(json.dumps(data, ensure_ascii=False, allow_nan=False))
-
-
-def json_logprob(value: float) -> float:
-    """A logprob JSON can carry: -inf (and NaN, from a degenerate distribution) become
-    -9999.0, the floor vLLM reports for -inf."""
-    return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
 def created_now() -> int:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from starlette.responses import Response
+
 from server.api.errors import APIError
+from server.api.answer_json import answer_bytes
 from server.api.chat_output import ChoiceReader, DeltaParts
 from server.api.protocol import (
     AssistantMessage,
@@ -15,15 +17,12 @@ from server.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprob,
-    ChatLogprobs,
     ChatStreamChoice,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCallOut,
     ToolCallOut,
-    TopLogprob,
 )
 from server.api.request_checks import check_limits, check_messages, reject_unsupported
 from server.api.serving import (
@@ -33,8 +32,10 @@ from server.api.serving import (
     accumulate,
     build_sampling_params,
     check_model,
+    content_bytes,
     created_now,
-    json_logprob,
+    json_answer,
+    refuse_oversized,
     sse,
     sse_chunk,
     submit,
@@ -43,13 +44,13 @@ from server.api.serving import (
     usage,
 )
 from server.api.tools import ToolPlan, plan_tools, template_messages
-from server.engine.outputs import RequestOutput, TokenLogprob
+from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 
 
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
-) -> ChatCompletionResponse | AsyncIterator[str]:
+) -> Response | AsyncIterator[str]:
     check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
@@ -64,16 +65,17 @@ async def create_chat_completion(
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
     template_kwargs = _template_kwargs(req.chat_template_kwargs)
     params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
-    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
     tok = ctx.engine.tokenizer
 
-    def render() -> tuple[str, list[int]]:  # off the event loop: long prompts take a while
+    def render() -> tuple[str, list[int]]:  # on a worker: long prompts take a while
+        refuse_oversized(ctx, content_bytes(req.messages), "messages")
+        messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
         text = tok.apply_chat_template(messages, req.add_generation_prompt, plan.tools,
                                        template_kwargs)
         return text, tok.encode(text, add_special_tokens=False)
 
     try:
-        prompt_text, prompt_ids = await asyncio.to_thread(render)
+        prompt_text, prompt_ids = await ctx.workers.run(tag.client, render)
     except ValueError as exc:  # no template, unsupported content parts, template errors
         raise APIError(400, str(exc), "messages") from None
     params = _with_tool_constraint(ctx, params, plan, prompt_text)
@@ -87,27 +89,33 @@ async def create_chat_completion(
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(ctx, stream, response_id, req.n, include_usage, reader)
     final = await accumulate(stream)
-    choices = []
-    for c in final.outputs:
-        read = reader()
-        parts = read.whole(c.text)
-        choices.append(ChatChoice(
-            index=c.index,
-            message=AssistantMessage(
-                content=parts.content or (None if parts.tool_calls or parts.reasoning
-                                          else ""),
-                reasoning_content=parts.reasoning or None,
-                tool_calls=[ToolCallOut(id=t.id, function=FunctionCallOut(
-                    name=t.name, arguments=t.arguments)) for t in parts.tool_calls]),
-            logprobs=_logprobs(ctx, c.logprobs) if c.logprobs is not None else None,
-            finish_reason=_finish_reason(c.finish_reason, read),
-            stop_reason=c.stop_reason,
-        ))
-    return ChatCompletionResponse(
-        id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
-        usage=usage(len(final.prompt_token_ids), final.num_generated_tokens),
-        system_fingerprint=system_fingerprint(ctx.model_name),
-    )
+
+    def build() -> bytes:  # on a worker: logprobs of n=128 x 512 tokens are 1.3M entries
+        choices = []
+        for c in final.outputs:
+            read = reader()
+            parts = read.whole(c.text)
+            choices.append(ChatChoice(
+                index=c.index,
+                message=AssistantMessage(
+                    content=parts.content or (None if parts.tool_calls or parts.reasoning
+                                              else ""),
+                    reasoning_content=parts.reasoning or None,
+                    tool_calls=[ToolCallOut(id=t.id, function=FunctionCallOut(
+                        name=t.name, arguments=t.arguments)) for t in parts.tool_calls]),
+                finish_reason=_finish_reason(c.finish_reason, read),
+                stop_reason=c.stop_reason,
+            ))
+        skeleton = ChatCompletionResponse(
+            id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
+            usage=usage(len(final.prompt_token_ids), final.num_generated_tokens),
+            system_fingerprint=system_fingerprint(ctx.model_name),
+        )
+        return answer_bytes(skeleton, [None if c.logprobs is None
+                                       else ctx.logprobs.chat_json(c.logprobs)
+                                       for c in final.outputs])
+
+    return await json_answer(ctx, tag, build)
 
 
 # chat_template_kwargs may not replace what the server itself hands the template
@@ -158,12 +166,13 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
                   ) -> AsyncIterator[str]:
     created = created_now()
 
-    def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
+    def chunk(choices: list[ChatStreamChoice],
+              logprobs: list[dict[str, Any] | None] | None = None, **extra: object) -> str:
         body = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name,
                                    choices=choices,
                                    system_fingerprint=system_fingerprint(ctx.model_name),
                                    **extra)
-        return sse_chunk(body)
+        return sse_chunk(body, logprobs)
 
     for i in range(n):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
@@ -173,6 +182,7 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
     async for out in stream:
         final = out
         choices = []
+        logprobs: list[dict[str, Any] | None] = []
         for c in out.outputs:
             if c.index in ended:
                 continue  # it stays finished in later outputs of an n > 1 request
@@ -189,12 +199,12 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
             choices.append(ChatStreamChoice(
                 index=c.index,
                 delta=_delta(parts),
-                logprobs=_logprobs(ctx, c.logprobs) if c.logprobs else None,
                 finish_reason=_finish_reason(c.finish_reason, read),
                 stop_reason=c.stop_reason,
             ))
+            logprobs.append(ctx.logprobs.chat_dict(c.logprobs) if c.logprobs else None)
         if choices:
-            yield chunk(choices)
+            yield chunk(choices, logprobs)
     if include_usage and final is not None:
         yield chunk([], usage=usage(len(final.prompt_token_ids), final.num_generated_tokens))
     yield sse("[DONE]")
@@ -206,19 +216,3 @@ def _delta(parts: DeltaParts) -> DeltaMessage:
              for t in parts.tool_calls]
     return DeltaMessage(content=parts.content or None,
                         reasoning_content=parts.reasoning or None, tool_calls=calls or None)
-
-
-def _logprobs(ctx: ServingContext, entries: list[TokenLogprob]) -> ChatLogprobs:
-    tok = ctx.engine.tokenizer
-    content = []
-    for e in entries:
-        text = tok.token_str(e.token_id)
-        content.append(ChatLogprob(
-            token=text, logprob=json_logprob(e.logprob), bytes=list(text.encode("utf-8")),
-            top_logprobs=[
-                TopLogprob(token=(s := tok.token_str(t)), logprob=json_logprob(lp),
-                           bytes=list(s.encode()))
-                for t, lp in e.top
-            ],
-        ))
-    return ChatLogprobs(content=content)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
+from starlette.responses import Response
+
+from server.api.answer_json import answer_bytes
 from server.api.errors import APIError
 from server.api.protocol import (
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
@@ -19,8 +22,9 @@ from server.api.serving import (
     build_sampling_params,
     check_model,
     created_now,
-    json_logprob,
+    json_answer,
     merge,
+    refuse_oversized,
     sse,
     sse_chunk,
     submit,
@@ -28,7 +32,7 @@ from server.api.serving import (
     tapped,
     usage,
 )
-from server.engine.outputs import RequestOutput, TokenLogprob
+from server.engine.outputs import RequestOutput
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -41,9 +45,23 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return list(prompt)  # type: ignore[arg-type]
 
 
+def _tokenize(ctx: ServingContext, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of every prompt (on a worker): the engine gets ids and only checks them.
+    A prompt provably beyond the context is refused before it is tokenized."""
+    tok = ctx.engine.tokenizer
+    ids = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            refuse_oversized(ctx, len(prompt.encode("utf-8")), field)
+            prompt = tok.encode(prompt)
+        ids.append(prompt)
+    return ids
+
+
 async def create_completion(
     ctx: ServingContext, req: CompletionRequest, tag: RequestTag
-) -> CompletionResponse | AsyncIterator[str]:
+) -> Response | AsyncIterator[str]:
     check_model(ctx, req.model)
     reject_unsupported(req, chat=False)
     if req.suffix:
@@ -57,10 +75,11 @@ async def create_completion(
                  logprobs=req.logprobs, logprobs_field="logprobs")
     params = build_sampling_params(req, req.max_tokens, req.logprobs,
                                    ctx.engine.tokenizer.vocab_size)
+    prompt_ids = await ctx.workers.run(tag.client, _tokenize, ctx, prompts)
     streams = []
     try:
-        for i, prompt in enumerate(prompts):
-            stream = await submit(ctx, tag, prompt, params, index=i)
+        for i, ids in enumerate(prompt_ids):
+            stream = await submit(ctx, tag, ids, params, index=i)
             streams.append(tapped(stream, MetricsTap(ctx.metrics, params)))
     except BaseException:
         for i in range(len(streams)):
@@ -69,33 +88,41 @@ async def create_completion(
     response_id = f"cmpl-{tag.request_id}"
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, streams, response_id, req, include_usage)
+        return _stream(ctx, streams, response_id, req, prompts, include_usage)
     finals: dict[int, RequestOutput] = {}
     async for i, out in merge(streams):
         if i in finals:
             finals[i].add(out)
         else:
             finals[i] = out
-    choices = []
-    for i in range(len(prompts)):
-        out = finals[i]
-        prefix = _echo_text(ctx, out) if req.echo else ""
-        for c in out.outputs:
-            choices.append(CompletionChoice(
-                index=i * req.n + c.index, text=prefix + c.text,
-                logprobs=_logprobs(ctx, c.logprobs, 0) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            ))
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
-    generated = sum(o.num_generated_tokens for o in finals.values())
-    return CompletionResponse(id=response_id, created=created_now(), model=ctx.model_name,
-                              choices=choices, usage=usage(prompt_tokens, generated),
-                              system_fingerprint=system_fingerprint(ctx.model_name))
+
+    def build() -> bytes:  # on a worker: many prompts x n x logprobs add up
+        choices = []
+        logprobs: list[dict[str, Any] | None] = []
+        for i in range(len(prompts)):
+            out = finals[i]
+            prefix = _echo_text(ctx, prompts[i], out) if req.echo else ""
+            for c in out.outputs:
+                choices.append(CompletionChoice(
+                    index=i * req.n + c.index, text=prefix + c.text,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                ))
+                logprobs.append(None if c.logprobs is None
+                                else ctx.logprobs.completion_dict(c.logprobs, 0))
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
+        generated = sum(o.num_generated_tokens for o in finals.values())
+        skeleton = CompletionResponse(
+            id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
+            usage=usage(prompt_tokens, generated),
+            system_fingerprint=system_fingerprint(ctx.model_name))
+        return answer_bytes(skeleton, logprobs)
+
+    return await json_answer(ctx, tag, build)
 
 
 async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput]],
-                  response_id: str, req: CompletionRequest, include_usage: bool
-                  ) -> AsyncIterator[str]:
+                  response_id: str, req: CompletionRequest, prompts: list[str | list[int]],
+                  include_usage: bool) -> AsyncIterator[str]:
     created = created_now()
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
@@ -103,17 +130,19 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
     prompt_tokens: dict[int, int] = {}
     generated: dict[int, int] = {}
 
-    def chunk(choices: list[CompletionChoice], **extra: object) -> str:
+    def chunk(choices: list[CompletionChoice],
+              logprobs: list[dict[str, Any] | None] | None = None, **extra: object) -> str:
         body = CompletionResponse(id=response_id, created=created, model=ctx.model_name,
                                   choices=choices,
                                   system_fingerprint=system_fingerprint(ctx.model_name),
                                   **extra)
-        return sse_chunk(body)
+        return sse_chunk(body, logprobs)
 
     async for i, out in merge(streams):
         prompt_tokens[i] = len(out.prompt_token_ids)
         generated[i] = out.num_generated_tokens
         choices = []
+        logprobs: list[dict[str, Any] | None] = []
         for c in out.outputs:
             index = i * req.n + c.index
             if index in ended:
@@ -121,7 +150,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
             text = c.text
             if req.echo and index not in echoed:
                 echoed.add(index)
-                text = _echo_text(ctx, out) + text
+                text = _echo_text(ctx, prompts[i], out) + text
             if not (text or c.finish_reason or c.logprobs):
                 continue  # nothing to send yet (text held back in case of a stop string)
             if c.finish_reason:
@@ -130,30 +159,18 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
             offsets[index] = offset + len(c.text)
             choices.append(CompletionChoice(
                 index=index, text=text,
-                logprobs=_logprobs(ctx, c.logprobs, offset) if c.logprobs else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             ))
+            logprobs.append(ctx.logprobs.completion_dict(c.logprobs, offset)
+                            if c.logprobs else None)
         if choices:
-            yield chunk(choices)
+            yield chunk(choices, logprobs)
     if include_usage:
         yield chunk([], usage=usage(sum(prompt_tokens.values()), sum(generated.values())))
     yield sse("[DONE]")
 
 
-def _echo_text(ctx: ServingContext, out: RequestOutput) -> str:
-    return out.prompt if out.prompt is not None else ctx.engine.tokenizer.decode(
+def _echo_text(ctx: ServingContext, prompt: str | list[int], out: RequestOutput) -> str:
+    """The prompt as sent when it was text (the engine got token ids), else its decoding."""
+    return prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(
         out.prompt_token_ids)
-
-
-def _logprobs(ctx: ServingContext, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-    tok = ctx.engine.tokenizer
-    result = CompletionLogprobs()
-    for e in entries:
-        text = tok.token_str(e.token_id)
-        result.tokens.append(text)
-        result.token_logprobs.append(json_logprob(e.logprob))
-        result.top_logprobs.append({tok.token_str(t): json_logprob(lp) for t, lp in e.top})
-        result.text_offset.append(offset)
-        offset += len(text)
-    return result
-

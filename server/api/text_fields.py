@@ -26,11 +26,12 @@ def valid_unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
+        # pydantic fills in {name} only (no format specs): the code point is formatted here
         raise PydanticCustomError(
             "invalid_unicode",
-            "contains a lone surrogate (U+{code:04X} at index {index}), which is not valid "
+            "contains a lone surrogate (U+{code} at index {index}), which is not valid "
             "Unicode; send text as UTF-8 or as paired \\u escapes",
-            {"code": ord(text[exc.start]), "index": exc.start},
+            {"code": f"{ord(text[exc.start]):04X}", "index": exc.start},
         ) from None
     return text
 
@@ -54,3 +55,15 @@ def text_only_parts(content: Any) -> Any:
             )
     return content
 
+
+
+def no_bool_token_ids(value: Any) -> Any:
+    """JSON ``true`` / ``false`` are not token ids (pydantic would read them as 1 / 0): said
+    plainly, instead of "Input should be a valid string" from the union's text member."""
+    if isinstance(value, list):
+        for item in value:
+            if isinstance(item, bool) or (
+                    isinstance(item, list) and any(isinstance(t, bool) for t in item)):
+                raise PydanticCustomError(
+                    "int_type", "token ids must be integers, not true or false")
+    return value

@@ -118,6 +118,9 @@ class AsyncEngine:
         # engine steps would all pass a --max-waiting-requests check.
         self._in_transit = 0
         self._in_transit_lock = threading.Lock()
+        # When the engine thread last went round its loop (a step finished, or an idle wait
+        # of at most 0.5 s ended): /health reads it to tell a stuck engine from a busy one.
+        self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self._engine = self.call(engine_factory)
@@ -251,12 +254,22 @@ class AsyncEngine:
     def _busy(self) -> bool:
         return self._engine is not None and self._engine.has_unfinished_requests()
 
+    def stalled_for(self) -> float:
+        """Seconds since the engine thread last made progress while requests are in flight;
+        0.0 when it is idle or keeping up (its loop comes round every step, and at least
+        every 0.5 s when idle)."""
+        if not self._streams and not self._in_transit:
+            return 0.0
+        return max(0.0, time.monotonic() - self._heartbeat)
+
     def _run(self) -> None:
         try:
             while not self._stopping:
                 self._drain(block=not self._busy())
+                self._heartbeat = time.monotonic()
                 if self._busy():
                     outputs = self.engine.step()
+                    self._heartbeat = time.monotonic()
                     if outputs:
                         self._call_loop(self._push_outputs, outputs)
         except BaseException as exc:  # the loop must report, not vanish

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -15,6 +16,11 @@ logger = logging.getLogger(__name__)
 
 # File suffixes that mark a --chat-template value as a path rather than Jinja text.
 _TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".tmpl", ".txt")
+# Pipeline parts that keep every byte of the text (so one token never stands for more text
+# than its own decoding): with any other part, no byte count bounds the token count.
+_KEEPING_NORMALIZERS = frozenset({"Prepend", "NFD"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation",
+                                     "UnicodeScripts"})
 
 
 class Tokenizer:
@@ -89,6 +95,21 @@ class Tokenizer:
             self._token_str_cache[token_id] = text
         return text
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of input one token can stand for, so that a text of ``b``
+        bytes has at least ``b / max_token_bytes`` tokens: a cheap bound to refuse an
+        oversized prompt before tokenizing it. None when the tokenizer may drop or shrink
+        text (whitespace splitting, NFKC, fused unknowns...): then no byte count bounds it.
+        Decodes the whole vocabulary once (~0.35 s for 49k tokens), on first use."""
+        if not _keeps_every_byte(self.hf):
+            return None
+        texts = self.hf.batch_decode([[i] for i in range(len(self.hf))],
+                                     skip_special_tokens=False)
+        # +1: a decoder may drop the leading space of a lone token ("\u2581word" -> "word");
+        # at least 4: an unknown character (up to 4 bytes) may become one token
+        return max(4, max((len(t.encode("utf-8")) for t in texts), default=0) + 1)
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Raw vocabulary strings (e.g. ``Ġworld``, ``▁world``) of ``ids``."""
         return list(self.hf.convert_ids_to_tokens(list(ids)))
@@ -138,6 +159,40 @@ class Tokenizer:
         """Token ids of the chat prompt; the template already writes BOS where wanted."""
         text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def _keeps_every_byte(hf: Any) -> bool:
+    """Whether a fast tokenizer's pipeline keeps all of its input (byte-level BPE, Llama's
+    SentencePiece BPE): its parts are read from its JSON description."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        spec = json.loads(backend.to_str())
+    except (ValueError, AttributeError):
+        return False
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and not model.get("byte_fallback")):
+        return False
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or ()):
+        return False  # such a token swallows the whitespace around it, however long
+    return _parts_keep(spec.get("normalizer"), "normalizers", _KEEPING_NORMALIZERS) and \
+        _parts_keep(spec.get("pre_tokenizer"), "pretokenizers", _KEEPING_PRE_TOKENIZERS)
+
+
+def _parts_keep(part: dict[str, Any] | None, members: str, keeping: frozenset[str]) -> bool:
+    if part is None:
+        return True
+    kind = part.get("type")
+    if kind == "Sequence":
+        return all(_parts_keep(p, members, keeping) for p in part.get(members) or ())
+    if kind == "Replace":  # Llama's " " -> "\u2581": never shorter than what it replaces
+        pattern = (part.get("pattern") or {}).get("String")
+        return pattern is not None and \
+            len(str(part.get("content", "")).encode()) >= len(pattern.encode())
+    if kind == "Split":  # a regex split keeps the text unless told to remove the matches
+        return part.get("behavior") != "Removed"
+    return kind in keeping
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from server.engine.sampling_params import SamplingParams
 class CharTokenizer:
     vocab_size = 0x110000
     eos_token_ids = frozenset()
+    max_token_bytes = 4  # one character
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
@@ -76,6 +77,9 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def stalled_for(self) -> float:
+        return 0.0
 
     def observed_shapes(self) -> dict[str, Any]:
         return {"format": "hpu-serve/observed-shapes/v1", "phases": {}, "warmup_seconds": {}}

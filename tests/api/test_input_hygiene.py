@@ -185,3 +185,18 @@ def test_help_and_readme_document_every_limit_flag() -> None:
                  "--max-tokens-per-request", "--timeout-keep-alive", "--timeout-request-header",
                  "--timeout-request-body", "--limit-concurrency", "--max-request-body-bytes"):
         assert flag in out and f"`{flag}`" in section, flag
+
+
+def test_the_surrogate_message_names_the_code_point(server) -> None:
+    error = assert_400(raw(server, COMPLETIONS, '{"prompt": "x\\udc01"}'), "prompt")
+    assert "U+DC01 at index 1" in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("prompt", [[True, False], [[1, 2], [3, True]]])
+def test_booleans_are_not_token_ids(server, prompt: list) -> None:
+    assert_400(post(server, COMPLETIONS, prompt=prompt, max_tokens=1), "prompt", "integers")
+    assert_400(post(server, "/detokenize", tokens=[1, False]), "tokens", "integers")
+
+
+def test_tokenize_applies_max_messages(server) -> None:
+    assert_400(post(server, "/tokenize", messages=MSG * 1025), "messages", "--max-messages")

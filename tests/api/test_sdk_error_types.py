@@ -32,7 +32,8 @@ class StubEngine:
         self.is_alive = True
         self.tokenizer = SimpleNamespace(vocab_size=100, encode_chat=lambda *_: [1, 2, 3],
                                          apply_chat_template=lambda *_: "abc",
-                                         encode=lambda *_, **__: [1, 2, 3])
+                                         encode=lambda *_, **__: [1, 2, 3],
+                                         max_token_bytes=None, token_str=str)
         self.metrics_registry = CollectorRegistry()
 
     def start(self) -> None:
@@ -41,13 +42,16 @@ class StubEngine:
     async def shutdown(self) -> None:
         pass
 
-    async def submit(self, request_id: str, prompt: object, params: object
+    async def submit(self, request_id: str, prompt: object, params: object, client: str = ""
                      ) -> AsyncIterator[object]:
         assert self.failure is not None
         raise self.failure
 
     def abort(self, request_id: str) -> None:
         pass
+
+    def stalled_for(self) -> float:
+        return 0.0
 
     def stats(self) -> SimpleNamespace:
         return SimpleNamespace(num_running=0, num_waiting=0, kv_cache_usage=0.0,

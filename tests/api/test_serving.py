@@ -132,6 +132,6 @@ def test_params_reach_the_engine(client: TestClient, engine: FakeEngine) -> None
     completion(client, prompt="ab", max_tokens=2, temperature=0.5, top_k=7, seed=3,
                stop=["x"], min_tokens=1)
     _, prompt, params = engine.submitted[-1]
-    assert prompt == "ab"
+    assert prompt == [97, 98]  # tokenized by the API (its pool), not the engine
     assert (params.temperature, params.top_k, params.seed) == (0.5, 7, 3)
     assert (params.stop, params.min_tokens, params.max_tokens) == (["x"], 1, 2)
