@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import server
+from server.api.admission import ClientSeqs
 from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
 from server.api.middleware import GuardMiddleware
@@ -37,7 +38,7 @@ from server.api.serving import (
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
 from server.api.tools import template_messages
-from server.config import ServerConfig
+from server.config import FairShare, ServerConfig
 from server.metrics import ServerMetrics
 
 
@@ -49,7 +50,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     tool_parser, reasoning_parser = chat_parsers(cfg.chat)
     ctx = ServingContext(engine, engine.model_name, engine.max_model_len, metrics,
                          cfg.max_waiting_requests, cfg.limits, cfg.chat, tool_parser,
-                         reasoning_parser)
+                         reasoning_parser, ClientSeqs(cfg.max_client_seqs, cfg.fair_share
+                                                     is not FairShare.OFF, metrics.registry))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
