@@ -604,7 +604,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                            "first when another waits (off: first come, first served)")
     fair.add_argument("--max-client-seqs", type=int, default=0,
                       help="sequences one client (--fair-share's key; the address when off) "
-                           "may have waiting or running; beyond: 503 (0: unbounded)")
+                           "may have waiting or running; beyond: 429 with Retry-After "
+                           "(0: unbounded)")
     fair.add_argument("--preprocess-workers", type=int, default=4,
                       help="threads that tokenize, render templates and serialize big answers "
                            "off the event loop (one client gets at most half)")

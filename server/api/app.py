@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import server
+from server.api.admission import ClientSeqs
 from server.api.answer_json import dumps
 from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
@@ -44,7 +45,7 @@ from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
 from server.api.tools import template_messages
 from server.api.workers import PreprocessPool
-from server.config import ServerConfig
+from server.config import FairShare, ServerConfig
 from server.metrics import ServerMetrics
 
 # How often the event loop checks how late it wakes (hpu_serve:event_loop_lag_seconds).
@@ -59,7 +60,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     tool_parser, reasoning_parser = chat_parsers(cfg.chat)
     ctx = ServingContext(engine, engine.model_name, engine.max_model_len, metrics,
                          cfg.max_waiting_requests, cfg.limits, cfg.chat, tool_parser,
-                         reasoning_parser, PreprocessPool(cfg.preprocess_workers))
+                         reasoning_parser, PreprocessPool(cfg.preprocess_workers),
+                         ClientSeqs(cfg.max_client_seqs, cfg.fair_share is not FairShare.OFF,
+                                    metrics.registry))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

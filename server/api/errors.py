@@ -28,26 +28,29 @@ logger = logging.getLogger(__name__)
 _TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
     405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
-    422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+    422: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError",
+    503: "ServiceUnavailableError",
 }
 # Default ``code`` per status; handlers pass a more specific one where they know it.
 _CODES = {
     400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-    408: "request_timeout", 413: "request_too_large", 500: "internal_error",
-    503: "service_unavailable",
+    408: "request_timeout", 413: "request_too_large", 429: "rate_limit_exceeded",
+    500: "internal_error", 503: "service_unavailable",
 }
 
 
 class APIError(Exception):
-    """Raised by handlers; carries what the error body needs."""
+    """Raised by handlers; carries what the error body needs, and the response's extra
+    headers (``Retry-After`` on a 429 or a 503 at a limit)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers) if headers else None
 
 
 def error_type(status: int) -> str:
@@ -107,7 +110,7 @@ def _is_type_tag(part: object) -> bool:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

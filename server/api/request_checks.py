@@ -92,6 +92,14 @@ def check_limits(limits: RequestLimits, req: SamplingFields, *, max_model_len: i
     if req.min_tokens > max_model_len:
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds the context length "
                             f"({max_model_len})", "min_tokens")
+    seqs = prompts * req.n
+    if seqs > limits.max_seqs_per_request:
+        # each sequence takes a batch slot and KV blocks until it ends: bounded apart from
+        # the tokens, which a short max_tokens keeps small however many sequences there are
+        field = "n" if req.n > 1 else "prompt"
+        raise APIError(400, f"this request asks for {seqs} sequences ({prompts} prompt(s) x "
+                            f"n={req.n}), more than --max-seqs-per-request "
+                            f"{limits.max_seqs_per_request}; lower {field}", field)
     per_completion = max_tokens if max_tokens is not None else max_model_len
     total = prompts * req.n * per_completion
     if total > limits.max_tokens_per_request:

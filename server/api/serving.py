@@ -18,6 +18,7 @@ from pydantic import BaseModel
 import server
 from starlette.responses import Response
 
+from server.api.admission import AdmittedStream, ClientSeqs
 from server.api.answer_json import LOGPROB_FLOOR, LogprobFormatter, json_logprob
 from server.api.errors import APIError, error_body, stream_error
 from server.api.protocol import ChatMessage, SamplingFields, UsageInfo
@@ -92,6 +93,8 @@ class ServingContext:
     reasoning_parser: type[ReasoningParser] | None = None  # --reasoning-parser
     # --preprocess-workers: tokenizing, templates, logprobs, big answers (never the loop)
     workers: PreprocessPool = field(default_factory=lambda: PreprocessPool(4))
+    # sequences per client (--max-client-seqs) and the fair share of the waiting queue
+    clients: ClientSeqs = field(default_factory=ClientSeqs)
     # the engine's tokenizer's logprob texts, cached per token id
     logprobs: LogprobFormatter = field(init=False)
 
@@ -198,10 +201,16 @@ def build_sampling_params(
 async def submit(ctx: ServingContext, tag: RequestTag, prompt: str | list[int],
                  params: SamplingParams, index: int | None = None
                  ) -> AsyncIterator[RequestOutput]:
-    if ctx.max_waiting_requests and ctx.engine.stats().num_waiting >= ctx.max_waiting_requests:
-        raise APIError(503, f"the server is overloaded: {ctx.max_waiting_requests} requests "
-                            "are already waiting; retry later")
-    return await ctx.engine.submit(tag.engine_id(index), prompt, params, tag.client)
+    """Queues one prompt's request: its ``n`` sequences count against the client until its
+    stream ends (429 past --max-client-seqs, 503 once the waiting queue is full)."""
+    num_waiting = ctx.engine.stats().num_waiting if ctx.max_waiting_requests else 0
+    lease = ctx.clients.admit(tag.client, params.n, num_waiting, ctx.max_waiting_requests)
+    try:
+        stream = await ctx.engine.submit(tag.engine_id(index), prompt, params, tag.client)
+    except BaseException:
+        lease.release()
+        raise
+    return AdmittedStream(stream, lease)
 
 
 class MetricsTap:
