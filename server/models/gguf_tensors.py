@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from server.models.config import ModelConfig
+from server.models.errors import model_file_error
 from server.models.registry import ARCHITECTURES
 
 # Pseudo-name under which the rope_freqs tensor (Llama 3.1's RoPE scaling) is yielded.
@@ -146,4 +147,6 @@ def dequantized_tensors(reader: Any, cfg: ModelConfig, meta: bool = False,
             origin[name] = t.name
         yield name, weights
     if pending:
-        raise ValueError(f"GGUF expert tensors without their other half: {sorted(pending)}")
+        path = getattr(getattr(reader, "data", None), "filename", None) or "GGUF file"
+        raise model_file_error(path, "expert tensors without their other half (gate or up): "
+                               f"{sorted(pending)}")
