@@ -213,13 +213,15 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
     is read or allocated), so that a damaged or mismatched checkpoint fails in one line
     before the model takes its memory."""
     origin = _origin(source)
+    # the whole walk on meta: tensors the dequantizers create (index ranges) land there too
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
-               if reader is not None else safetensors_shapes(Path(source.folder), origin.names))
-    if cfg.quant is not None:
-        tensors = dequantized(tensors, cfg.quant)
-    load_into(model, tensors, origin, dry_run=True)
+        tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
+                   if reader is not None
+                   else safetensors_shapes(Path(source.folder), origin.names))
+        if cfg.quant is not None:
+            tensors = dequantized(tensors, cfg.quant)
+        load_into(model, tensors, origin, dry_run=True)
 
 
 def _origin(source: ModelSource) -> TensorOrigin:
