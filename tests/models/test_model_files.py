@@ -112,6 +112,7 @@ def assert_one_clear_line(code: int, output: str, rss: int, reference: int,
     for piece in expected:
         assert piece in line, (piece, line)
     assert rss < RSS_FACTOR * reference, (rss, reference, line)
+    print(f"peak RSS {rss / 1024:.0f} MiB, valid model {reference / 1024:.0f} MiB: {line}")
     return line
 
 
@@ -186,6 +187,20 @@ def offset_beyond_file(valid: Path, tmp: Path) -> tuple[Path, tuple[str, ...]]:
 
 
 @gguf_case
+def header_claims_more_layers(valid: Path, tmp: Path) -> tuple[Path, tuple[str, ...]]:
+    path = _patched(valid, tmp / "layers.gguf", _block_count_at(valid), struct.pack("<I", 31))
+    return path, ("block_count says 31 layers", "layers 0-29 only", "first missing layers.30.")
+
+
+def _block_count_at(path: Path) -> int:
+    """Where the uint32 value of ``llama.block_count`` lies in the file."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields["llama.block_count"]
+    return field.offset + sum(part.nbytes for part in field.parts[:-1])
+
+
+@gguf_case
 def unknown_quantization_type(valid: Path, tmp: Path) -> tuple[Path, tuple[str, ...]]:
     name, _, type_at = _tensor_info_offsets(valid)[3]
     path = _patched(valid, tmp / "qtype.gguf", type_at, struct.pack("<I", 99))
@@ -253,3 +268,35 @@ def test_missing_and_truncated_shards(hf_reference, tmp_path: Path) -> None:
     code, output, rss = run_to_exit(folder, HF_FLAGS, tmp_path)
     assert_one_clear_line(code, output, rss, reference, "model.safetensors.index.json",
                           "missing: model-00002-of-00002.safetensors")
+
+
+# --- checked before the model is allocated ----------------------------------------------------
+
+def _no_allocation(monkeypatch) -> None:
+    """Allocating the model (``to_empty`` of the meta-built model) fails the test."""
+    import torch
+
+    def allocate(*args, **kwargs):
+        raise AssertionError("the model was allocated before the files were checked")
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", allocate)
+
+
+def test_mismatches_are_found_before_the_model_is_allocated(
+        monkeypatch, tiny_model, smollm2_gguf, tmp_path: Path) -> None:
+    import torch
+
+    from server.models.errors import ModelFileError
+    from server.models.loader import load_model, resolve_model_source
+
+    (tmp_path / "model").mkdir()
+    folder = _copy_folder(Path(tiny_model[0]), tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    layers = _patched(Path(*smollm2_gguf), tmp_path / "layers.gguf",
+                      _block_count_at(Path(*smollm2_gguf)), struct.pack("<I", 31))
+    _no_allocation(monkeypatch)
+    for model, what in ((folder, "num_hidden_layers says 3"), (layers, "block_count says 31")):
+        with pytest.raises(ModelFileError, match=what):
+            load_model(resolve_model_source(str(model)), "float32", torch.device("cpu"))
