@@ -1,12 +1,13 @@
 """Damaged model files end start-up with one clear line (issue 33, item 7).
 
 Each case starts a real ``python -m server serve`` on a damaged copy of a model: a GGUF cut
-in the header, in the tensor infos and in the data, with a tensor's offset beyond the file
-or an unknown quantization type; a Hugging Face folder whose config claims a layer the
-weights lack, with a tensor of the wrong shape, or with a shard missing. Each must exit
-non-zero with one ``error: model file ...`` line naming the file (and the tensor), no
-traceback, and a peak RSS under 1.5x that of the valid model starting up and serving: the
-files are checked before the model is allocated.
+in the header, in the tensor infos and in the data, with a tensor's offset beyond the file,
+an unknown quantization type or a header claiming more layers than its tensors; a Hugging
+Face folder whose config claims a layer the weights lack, with a tensor of the wrong shape,
+a truncated shard or a shard missing. Each must exit non-zero with one ``error: model file
+...`` line naming the file (and the tensor), no traceback, and a peak RSS under 1.5x that of
+the valid model starting up and serving. A last test shows the mismatches are found before
+the model is allocated.
 """
 
 from __future__ import annotations
@@ -18,14 +19,12 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from server_process import ServerProcess, free_port, wait_healthy  # noqa: E402
+from server_process import ServerProcess, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 # small KV cache and few buckets: the valid reference starts quickly, and both the
@@ -37,34 +36,46 @@ HF_FLAGS = ("--dtype", "float32", "--block-size", "16", "--max-num-seqs", "4",
 RSS_FACTOR = 1.5
 
 
+# Runs the server as its own child and writes the child's peak RSS (KiB, from wait4). A
+# process started straight from pytest would not do: its peak counts the address space it
+# was forked (or vforked) from, so pytest's own RSS.
+_MEASURED = """
+import os, signal, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+signal.signal(signal.SIGTERM, lambda sig, frame: proc.send_signal(sig))
+_, status, usage = os.wait4(proc.pid, 0)
+with open(sys.argv[1], "w") as out:
+    out.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _popen(model: Path, flags: tuple[str, ...], port: int, log: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "server", "serve", str(model), "--host", "127.0.0.1",
-            "--port", str(port), *flags]
+    args = [sys.executable, "-c", _MEASURED, str(log.with_suffix(".rss")), sys.executable,
+            "-m", "server", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+            *flags]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open(log, "w") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> tuple[int, int]:
+    """(exit code, peak RSS KiB) of the server once it has exited."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the wrapper passes it on
+        proc.wait(timeout=60)
+        raise
+    return code, int(log.with_suffix(".rss").read_text())
 
 
 def run_to_exit(model: Path, flags: tuple[str, ...], tmp: Path, timeout: float = 120.0
                 ) -> tuple[int, str, int]:
     """(exit code, output, peak RSS KiB) of a server that is expected to fail at start-up."""
     log = tmp / "serve.log"
-    proc = _popen(model, flags, free_port(), log)
-    code, rss = _wait4(proc, timeout)
+    code, rss = _finish(_popen(model, flags, free_port(), log), log, timeout)
     return code, log.read_text(errors="replace"), rss
-
-
-def _wait4(proc: subprocess.Popen, timeout: float) -> tuple[int, int]:
-    """Waits for the child with os.wait4 (its own peak RSS, not the largest of all
-    children's as RUSAGE_CHILDREN would give); kills it past ``timeout``."""
-    timer = threading.Timer(timeout, lambda: os.kill(proc.pid, signal.SIGKILL))
-    timer.start()
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    finally:
-        timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait for it again
-    return proc.returncode, usage.ru_maxrss
 
 
 def valid_peak_rss(model: Path, flags: tuple[str, ...], tmp: Path) -> int:
@@ -74,12 +85,9 @@ def valid_peak_rss(model: Path, flags: tuple[str, ...], tmp: Path) -> int:
     proc = _popen(model, flags, port, log)
     try:
         wait_healthy(ServerProcess(proc, port, log), timeout=300)
-    except BaseException:
-        proc.kill()
-        _wait4(proc, 60)
-        raise
-    proc.send_signal(signal.SIGTERM)
-    code, rss = _wait4(proc, 120)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    code, rss = _finish(proc, log, 120)
     assert code == 0, log.read_text()
     return rss
 
