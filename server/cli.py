@@ -129,6 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     from server.api.chat_output import chat_parsers
     from server.api.http_server import HttpServer
     from server.engine.async_engine import AsyncEngine
+    from server.models.errors import ModelFileError
 
     init_logging()
     engine_cfg = engine_config_from_args(args)
@@ -137,7 +138,10 @@ def serve(args: argparse.Namespace) -> int:
         chat_parsers(server_cfg.chat)  # an unknown parser name fails before the model loads
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    engine = AsyncEngine.from_config(engine_cfg)  # load + KV cache sizing
+    try:
+        engine = AsyncEngine.from_config(engine_cfg)  # load + KV cache sizing
+    except ModelFileError as exc:  # a damaged or mismatched model: one line, no traceback
+        raise SystemExit(f"error: {exc}") from None
     # every bucket compiled/captured before the port opens, on the thread that will serve
     engine.call(engine.engine.warmup)
     app = build_app(engine, server_cfg)

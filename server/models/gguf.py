@@ -12,11 +12,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+import struct
 from typing import Any
 
 import numpy as np
 
 from server.models.config import ModelConfig
+from server.models.errors import model_file_error
+from server.models.gguf_check import check_gguf
 from server.models.gguf_quants import (  # noqa: F401  (re-exported: the loader's one import)
     GROUP_SIZE,
     INT4_TYPES,
@@ -40,11 +43,16 @@ def open_gguf(path: str) -> object:
 def _open(path: str, size: int, mtime_ns: int) -> object:
     """Reading the metadata (a 49k-entry vocabulary for SmolLM2) takes seconds, and the
     config, the weights and the 4-bit codes all read the same file (size and mtime in the
-    key: a rewritten file is parsed again)."""
+    key: a rewritten file is parsed again). The layout is checked against the file's size
+    first (gguf_check.py): the reader takes a cut file for a shorter one."""
     del size, mtime_ns
     import gguf
 
-    return gguf.GGUFReader(path)
+    check_gguf(path)
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, struct.error) as exc:  # what the check cannot see
+        raise model_file_error(path, f"unreadable GGUF ({exc})") from exc
 
 
 class _Header:
@@ -53,7 +61,17 @@ class _Header:
 
     def __init__(self, reader: Any) -> None:
         self.fields = reader.fields
-        self.arch = str(self.get("general.architecture"))
+        # the reader maps its file: a numpy memmap, which knows the path
+        self.path = getattr(getattr(reader, "data", None), "filename", None) or "GGUF file"
+        self.arch = str(self.required("general.architecture", full=True))
+
+    def required(self, key: str, full: bool = False) -> Any:
+        """A key the model cannot be built without; a file lacking it is damaged."""
+        name = key if full else f"{self.arch}.{key}"
+        value = self.get(name)
+        if value is None:
+            raise model_file_error(self.path, f"the GGUF metadata lacks {name!r}")
+        return value
 
     def get(self, key: str, default: Any = None) -> Any:
         if key not in self.fields:
@@ -85,8 +103,8 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     h = _Header(reader)
     names = {t.name for t in reader.tensors}
     family = gguf_architecture(h.arch, moe=int(h("expert_count", 0) or 0) > 0)
-    num_heads = int(h("attention.head_count"))
-    hidden = int(h("embedding_length"))
+    num_heads = int(h.required("attention.head_count"))
+    hidden = int(h.required("embedding_length"))
     # Qwen3 and Gemma 2/3 write their (non hidden/heads) head size as the key length; older
     # llama files only as the rotary size; Phi-3's rotary size may be a partial share
     rope_dims = h("rope.dimension_count")
@@ -99,8 +117,8 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         model_type=family.model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(h("feed_forward_length")),
-        num_layers=int(h("block_count")),
+        intermediate_size=int(h.required("feed_forward_length")),
+        num_layers=int(h.required("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(h("attention.head_count_kv", num_heads)),
         head_dim=head_dim,

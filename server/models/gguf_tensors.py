@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from server.models.config import ModelConfig
+from server.models.errors import model_file_error
 from server.models.registry import ARCHITECTURES
 
 # Pseudo-name under which the rope_freqs tensor (Llama 3.1's RoPE scaling) is yielded.
@@ -96,18 +97,26 @@ def q_or_k_heads(part: str, cfg: ModelConfig) -> int | None:
     return {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(part)
 
 
-def dequantized_tensors(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized_tensors(reader: Any, cfg: ModelConfig, meta: bool = False,
+                        origin: dict[str, str] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor the model uses.
 
     Experts come as transformers 5 holds them: ``mlp.experts.gate_up_proj [E, 2I, H]``
     (llama.cpp stores gate and up apart, joined here once both were read) and
     ``mlp.experts.down_proj [E, H, I]``.
+
+    ``meta``: shapes only (meta tensors, nothing read), for checking the file against the
+    config before the model is allocated; ``origin`` collects each yielded name's GGUF
+    tensor, for error messages.
     """
     import gguf
 
     names = block_names(cfg)
     pending: dict[tuple[int, str], torch.Tensor] = {}  # one half of a layer's gate/up
-    for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
+    tensors = reader.tensors if meta else tqdm(reader.tensors, desc="Dequantizing GGUF",
+                                               unit="tensor", leave=False)
+    for t in tensors:
         parsed = parse_block_tensor(t.name, names)
         if parsed is not None:
             layer, part, module, kind = parsed
@@ -116,7 +125,10 @@ def dequantized_tensors(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, to
             layer, part, name, kind = -1, "", _TOP_LEVEL_NAMES[t.name], "weight"
         else:
             continue  # e.g. Phi-3's rope_factors_*: read into the config
-        weights = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        if meta:  # GGUF lists dims innermost first
+            weights = torch.empty([int(d) for d in reversed(t.shape)], device="meta")
+        else:
+            weights = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
         heads = q_or_k_heads(part, cfg)
         if heads is not None and kind == "weight":
             weights = unpermute(weights, heads)
@@ -131,6 +143,10 @@ def dequantized_tensors(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, to
             name = f"layers.{layer}.mlp.experts.gate_up_proj"
         elif part in ("ffn_gate_up_exps", "ffn_down_exps"):
             name = name.removesuffix(".weight")
+        if origin is not None:
+            origin[name] = t.name
         yield name, weights
     if pending:
-        raise ValueError(f"GGUF expert tensors without their other half: {sorted(pending)}")
+        path = getattr(getattr(reader, "data", None), "filename", None) or "GGUF file"
+        raise model_file_error(path, "expert tensors without their other half (gate or up): "
+                               f"{sorted(pending)}")
