@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from server.api.protocol import CompletionRequest  # noqa: E402
-from server.api.serving import ServingContext  # noqa: E402
+from server.api.serving import RequestTag, ServingContext  # noqa: E402
 from server.api.serving_completion import create_completion  # noqa: E402
 from server.config import make_engine_config  # noqa: E402
 from server.engine.async_engine import AsyncEngine  # noqa: E402
@@ -72,7 +72,7 @@ async def generate(ctx: ServingContext, tokens: int, stream: bool) -> list[float
                                 ignore_eos=True, stream=stream)
     per_output: list[float] = []
     last = time.thread_time()
-    result = await create_completion(ctx, request, f"long-{stream}")
+    result = await create_completion(ctx, request, RequestTag(f"long-{stream}"))
     if stream:
         async for _chunk in result:  # type: ignore[union-attr]
             now = time.thread_time()
