@@ -293,10 +293,13 @@ class GrammarPool:
                 self._lost(worker, CompileTimeout(f"over {self.timeout:g} s"))
 
     def _kill_abandoned(self) -> None:
+        """(lock held)"""
         for worker in list(self._workers):
             if worker.job is not None and worker.job.abandoned:
-                self._remove(worker)
                 self._forget(worker.job)
+                self._remove(worker)
+                with contextlib.suppress(OSError):
+                    self._spawn()
 
     def _lost(self, worker: _Worker, error: Exception) -> None:
         """A worker killed at the limit, or dead: its job fails, a new worker may start."""
@@ -306,6 +309,9 @@ class GrammarPool:
             self._remove(worker)
             if job is not None:
                 self._forget(job)
+            if was_ready and not self._closed:  # its replacement starts now, not on demand
+                with contextlib.suppress(OSError):
+                    self._spawn()
             if not was_ready:
                 self._start_failures += 1
                 failed = self._start_failures >= MAX_START_FAILURES
