@@ -98,9 +98,9 @@ def fill_cost(backend: StructuredOutputs, compiled: Any, vocab: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bytes", type=int, default=StructuredOutputsConfig.max_bytes)
+    parser.add_argument("--bytes", type=int, default=StructuredOutputsConfig().max_bytes)
     parser.add_argument("--alternatives", type=int,
-                        default=StructuredOutputsConfig.max_alternatives)
+                        default=StructuredOutputsConfig().max_alternatives)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     hf = embedded_tokenizer()
