@@ -91,11 +91,9 @@ class NamedToolChoice(OpenAIModel):
     function: NamedFunction
 
 
-# Bounds on what a client may hand the grammar compiler (it runs on the server's CPU).
-MAX_SPEC_CHARS = 64 * 1024
-MAX_CHOICES = 1024
-
-SpecText = Annotated[Text, Field(max_length=MAX_SPEC_CHARS)]
+# A constraint's text; its size is bounded by the engine, against --max-grammar-bytes and
+# --max-grammar-alternatives (a 400 naming the field and the flag), not here.
+SpecText = Text
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -121,8 +119,7 @@ class StructuredOutputsRequest(OpenAIModel):
     json_schema: dict[str, Any] | SpecText | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: SpecText | None = None
-    choice: list[Annotated[Text, Field(max_length=4096)]] | None = Field(
-        None, min_length=1, max_length=MAX_CHOICES)
+    choice: list[Annotated[Text, Field(max_length=4096)]] | None = Field(None, min_length=1)
     grammar: SpecText | None = None
 
 
@@ -162,7 +159,7 @@ class SamplingFields(RequestModel):
     guided_json: dict[str, Any] | SpecText | None = None
     guided_regex: SpecText | None = None
     guided_choice: list[Annotated[Text, Field(max_length=4096)]] | None = Field(
-        None, min_length=1, max_length=MAX_CHOICES)
+        None, min_length=1)
     guided_grammar: SpecText | None = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 

@@ -217,7 +217,8 @@ class AsyncEngine:
         self._transit(+1)
         try:
             state = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params,
-                                            arrival, client)
+                                            arrival, client, grammar=False)
+            await self._grammar(state, client)
         except BaseException:
             self._transit(-1)
             if self._streams.get(request_id) is stream:
@@ -228,6 +229,19 @@ class AsyncEngine:
             raise RequestError("the request was aborted before it was queued", "request_id")
         self._commands.put(AddRequest(state))
         return stream
+
+    async def _grammar(self, state: RequestState, client: str) -> None:
+        """Compiles the request's constraint in the grammar pool and waits for it holding
+        no thread: the request is queued into the engine once its grammar is ready (see
+        ``structured_outputs``). A client that goes away cancels the compilation."""
+        future = self.engine.input_processor.start_grammar(state, client)
+        if future is None:
+            return
+        try:
+            compiled = await asyncio.wrap_future(future)
+        finally:
+            future.cancel()  # no-op once done; frees the worker if this task was cancelled
+        self.engine.input_processor.attach_grammar(state, compiled)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its KV blocks (no-op if it already finished)."""

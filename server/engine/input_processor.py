@@ -7,13 +7,15 @@ import functools
 import itertools
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from server.engine.block_manager import blocks_for
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import RequestError
 from server.engine.output_processor import RequestState
 from server.engine.outputs import CompletionOutput, RequestMetrics
-from server.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import SchedulerLimits
 from server.engine.sequence import Sequence
 from server.engine.structured_outputs import StructuredOutputs
@@ -44,8 +46,15 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int],
                 params: SamplingParams | None = None,
-                arrival_time: float | None = None, client: str = "") -> RequestState:
+                arrival_time: float | None = None, client: str = "",
+                grammar: bool = True) -> RequestState:
+        """``grammar``: compile the request's constraint here (blocking, within the
+        bounds of ``--grammar-compile-timeout``); False: only check it against the caps,
+        and leave :meth:`start_grammar` / :meth:`attach_grammar` to the caller."""
         params = params or SamplingParams()
+        if params.structured_outputs is not None:
+            # before tokenizing: a constraint beyond the caps costs nothing more
+            self.structured().check(params.structured_outputs)
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = self._check(prompt_ids, params)
@@ -53,23 +62,32 @@ class InputProcessor:
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now,
                          client=client)
                 for i in range(params.n)]
-        if params.structured_outputs is not None:
-            self._attach_grammars(seqs, params.structured_outputs)
-        return RequestState(
+        state = RequestState(
             request_id, prompt_text, prompt_ids, params, seqs,
             [self._detokenizer(prompt_ids, params) for _ in seqs],
             [CompletionOutput(i, logprobs=None if params.logprobs is None else [])
              for i in range(params.n)],
             RequestMetrics(arrival_time=now),
         )
+        if grammar and params.structured_outputs is not None:
+            self.attach_grammar(state, self.structured().compile(params.structured_outputs,
+                                                                  client))
+        return state
 
-    def _attach_grammars(self, seqs: list[Sequence], spec: StructuredOutputsParams) -> None:
-        """Compiles the constraint here, in the request's worker thread (never on the
-        engine thread), and gives each completion its own matcher."""
+    def start_grammar(self, state: RequestState, client: str = "") -> Future[Any] | None:
+        """Starts compiling the request's constraint (checked by :meth:`process`): a
+        future of the compiled grammar (a RequestError naming the field when it fails;
+        cancel it to free the worker), or None without a constraint. Never blocks."""
+        spec = state.params.structured_outputs
+        return None if spec is None else self.structured().compile_async(spec, client)
+
+    def attach_grammar(self, state: RequestState, compiled: Any) -> None:
+        """Gives each completion its own matcher of the compiled grammar (cheap: ~50 us)."""
+        spec = state.params.structured_outputs
+        assert spec is not None
         backend = self.structured()
-        compiled = backend.compile(spec)
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
-        for seq in seqs:
+        for seq in state.seqs:
             seq.grammar = backend.state(compiled, spec.start_after or None, decode)
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:

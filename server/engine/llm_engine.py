@@ -123,6 +123,7 @@ class LLMEngine:
                                    self.runner.prefill_fits if self.runner.shapes else None,
                                    fuse_decodes=self.runner.packs_tokens)
         self._structured: StructuredOutputs | None = None
+        self._structured_config = config.structured_outputs
         self._structured_lock = threading.Lock()
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size,
                                               self.limits, block_size, self.runner.num_blocks,
@@ -145,7 +146,7 @@ class LLMEngine:
             if self._structured is None:
                 self._structured = StructuredOutputs(
                     self.tokenizer.hf, self.model_config.vocab_size,
-                    sorted(self.eos_token_ids))
+                    sorted(self.eos_token_ids), self._structured_config)
             return self._structured
 
     @property
@@ -176,9 +177,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         client: str = "",
+        grammar: bool = True,
     ) -> RequestState:
-        """Tokenizes and validates without touching engine state: safe from any thread."""
-        return self.input_processor.process(request_id, prompt, params, arrival_time, client)
+        """Tokenizes and validates without touching engine state: safe from any thread.
+        ``grammar=False``: the constraint is only checked, for the caller to compile
+        (``input_processor.start_grammar``) without holding this thread."""
+        return self.input_processor.process(request_id, prompt, params, arrival_time, client,
+                                            grammar)
 
     def enqueue(self, state: RequestState) -> None:
         """Queues a prepared request (engine thread only)."""
@@ -301,6 +306,8 @@ class LLMEngine:
         once no step runs), else killed."""
         if self.executor is not None:
             self.executor.shutdown(graceful)
+        if self._structured is not None:  # its compile worker processes
+            self._structured.close()
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix; the number of blocks that were named."""

@@ -5,15 +5,30 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
+import time
 
 import pytest
 import torch
 
 from server import LLM, SamplingParams
+from server.config import StructuredOutputsConfig
 from server.engine.errors import RequestError
+from server.engine.grammar_limits import (
+    GrammarKind,
+    GrammarSource,
+    checked_source,
+    client_message,
+    count_alternatives,
+)
 from server.engine.sampling_params import StructuredOutputsParams as Spec
-from server.engine.structured_outputs import GrammarState, apply_bitmask
+from server.engine.structured_outputs import (
+    GrammarCache,
+    GrammarState,
+    StructuredOutputs,
+    apply_bitmask,
+)
 
 DATE = r"\d{4}-\d{2}-\d{2}"
 
@@ -155,3 +170,114 @@ def test_stop_strings_end_a_guided_output(llm: LLM) -> None:
         assert re.fullmatch(r"[a-dfgh]*", c.text), c.text  # the grammar's letters, up to "e"
         assert c.finish_reason == "stop"
         assert c.stop_reason == "e" or len(c.text) == 30
+
+
+# -- bounded grammar work ------------------------------------------------------------------
+
+def slow_schema(tag: str, n: int = 8000) -> dict:
+    """~10 s to compile with the tiny vocabulary (long multi-word enum values)."""
+    rng = random.Random(tag)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "iota"]
+    return {"enum": [" ".join(rng.choice(words) for _ in range(8)) + f" {tag}{i}"
+                     for i in range(n)]}
+
+
+@pytest.fixture()
+def bounded(tiny_model):
+    """A backend with a short compile limit and caps wide enough for the slow schema."""
+    def make(**fields) -> StructuredOutputs:
+        config = StructuredOutputsConfig(**{"compile_timeout": 0.5, "max_bytes": 10**7,
+                                            "max_alternatives": 10**6, **fields})
+        backend = StructuredOutputs(tiny_model[2], len(tiny_model[2]), None, config)
+        made.append(backend)
+        return backend
+
+    made: list[StructuredOutputs] = []
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def test_caps_are_checked_before_compiling_and_name_field_and_flag() -> None:
+    config = StructuredOutputsConfig(max_bytes=100, max_alternatives=3)
+    nested = {"$defs": {"a": {"anyOf": [{"enum": [1, 2]}, {"type": "null"}]}},
+              "oneOf": [{"$ref": "#/$defs/a"}]}
+    assert count_alternatives(nested) == 5  # over the whole schema, definitions included
+    for spec, flag in [(Spec(json=nested, field="response_format"), "--max-grammar-alternatives"),
+                       (Spec(choice=list("abcd"), field="guided_choice"),
+                        "--max-grammar-alternatives"),
+                       (Spec(regex="x" * 101, field="guided_regex"), "--max-grammar-bytes"),
+                       (Spec(json="{" * 50_000, field="guided_json"), "--max-grammar-bytes")]:
+        with pytest.raises(RequestError) as info:
+            checked_source(spec, config)
+        assert info.value.param == spec.field
+        assert flag in info.value.message and spec.field in info.value.message
+    deep = {}
+    for _ in range(5000):  # deeper than Python's stack: an error, never a crash
+        deep = {"items": deep}
+    with pytest.raises(RequestError, match="nested too deeply"):
+        checked_source(Spec(json=deep), StructuredOutputsConfig(max_bytes=10**6))
+
+
+def test_library_messages_lose_their_source_locations() -> None:
+    raw = ("[12:54:35] /project/cpp/json_schema_converter.cc:4939: Check failed: "
+           "(error.empty()) is false: Failed to parse JSON: syntax error at line 1\n")
+    assert client_message(raw) == "Failed to parse JSON: syntax error at line 1"
+    assert len(client_message("x" * 10_000)) < 500
+
+
+def test_grammar_cache_is_a_bounded_lru(bounded) -> None:
+    cache = GrammarCache(2, max_bytes=100)
+    a, b, c, d = (GrammarSource(GrammarKind.REGEX, t) for t in "abcd")
+    cache.put(a, "A", 10)
+    cache.put(b, "B", 10)
+    assert cache.get(a) == "A"  # a is now the most recent
+    cache.put(c, "C", 10)
+    assert b not in cache and a in cache and c in cache
+    cache.put(d, "D", 95)  # the byte budget evicts too
+    assert len(cache) == 1 and d in cache
+    backend = bounded(cache_size=2)
+    for regex in ("[a-c]+", "[d-f]+", "[g-i]+"):
+        backend.compile(Spec(regex=regex))
+    assert len(backend.cache) == 2
+
+
+def test_a_grammar_over_the_limit_kills_its_worker_and_fails_fast_next_time(bounded) -> None:
+    backend = bounded(workers=1)
+    backend.compile(Spec(regex="[a-z]+"))  # the worker is up
+    start = time.monotonic()
+    with pytest.raises(RequestError, match="--grammar-compile-timeout") as info:
+        backend.compile(Spec(json=slow_schema("t"), field="guided_json"))
+    assert info.value.param == "guided_json"
+    assert time.monotonic() - start < 5.0  # the limit, not the ~10 s compilation
+    assert backend.pool.killed_workers == 1
+    start = time.monotonic()
+    with pytest.raises(RequestError, match="--grammar-compile-timeout"):
+        backend.compile(Spec(json=slow_schema("t"), field="response_format"))
+    assert time.monotonic() - start < 0.5  # the failure is cached
+    backend.compile(Spec(regex="[0-9]+"))  # a new worker took over
+
+
+def test_cancelling_frees_the_worker_and_clients_take_turns(bounded) -> None:
+    backend = bounded(workers=1, compile_timeout=60.0)
+    backend.compile(Spec(regex="[a-z]+"))
+    running = backend.compile_async(Spec(json=slow_schema("run")), client="a")
+    queued = backend.compile_async(Spec(json=slow_schema("queued")), client="a")
+    time.sleep(0.5)
+    assert backend.pool.busy_workers == 1 and backend.pool.queued_jobs == 1
+    queued.cancel()
+    running.cancel()
+    start = time.monotonic()
+    backend.compile(Spec(regex="[0-9]+"))
+    assert time.monotonic() - start < 8.0  # a restarted worker, not two slow compilations
+    assert backend.pool.killed_workers == 1 and backend.pool.queued_jobs == 0
+    # one worker, client a's five jobs ahead of client b's one: b is not served last
+    done: list[str] = []
+    first = [backend.compile_async(Spec(regex=f"a{i}[a-z]+"), client="a") for i in range(5)]
+    other = backend.compile_async(Spec(regex="b[a-z]+"), client="b")
+    for i, future in enumerate(first):
+        future.add_done_callback(lambda _, i=i: done.append(f"a{i}"))
+    other.add_done_callback(lambda _: done.append("b"))
+    for future in [*first, other]:
+        future.result(timeout=30)
+    assert done.index("b") <= 2, done  # first come, first served: 5
