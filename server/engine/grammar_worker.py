@@ -39,22 +39,37 @@ SELF_LIMIT_GRACE_S = 5.0
 
 
 def import_compiler() -> tuple[Any, Any]:
-    """xgrammar's ``compiler`` and ``tokenizer_info`` modules, without torch."""
+    """xgrammar's ``compiler`` and ``tokenizer_info`` modules, without torch where this
+    xgrammar's layout allows it (another version's may not: then the plain import, torch
+    and all, which costs memory and start-up time but compiles the same)."""
+    if "xgrammar" not in sys.modules:
+        try:
+            _import_without_torch()
+        except ImportError:
+            for name in [m for m in sys.modules if m == "xgrammar" or m.startswith("xgrammar.")]:
+                del sys.modules[name]
+            if sys.modules.get("torch", False) is None:
+                del sys.modules["torch"]
+            importlib.import_module("xgrammar")
+    return (importlib.import_module("xgrammar.compiler"),
+            importlib.import_module("xgrammar.tokenizer_info"))
+
+
+def _import_without_torch() -> None:
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" fails fast
     # transformers (imported by tokenizer_info) warns that it found no torch: true, and moot
     logging.getLogger("transformers").addFilter(lambda record: False)
-    if "xgrammar" not in sys.modules:
-        spec = importlib.util.find_spec("xgrammar")
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError("xgrammar is not installed")
-        package = types.ModuleType("xgrammar")  # the package, minus its __init__
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["xgrammar"] = package
-        importlib.import_module("xgrammar.load_binding")
-        importlib.import_module("xgrammar.exception")  # maps C++ errors to Python ones
-    return (importlib.import_module("xgrammar.compiler"),
-            importlib.import_module("xgrammar.tokenizer_info"))
+    spec = importlib.util.find_spec("xgrammar")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("xgrammar is not installed")
+    package = types.ModuleType("xgrammar")  # the package, minus its __init__
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["xgrammar"] = package
+    importlib.import_module("xgrammar.load_binding")
+    importlib.import_module("xgrammar.exception")  # maps C++ errors to Python ones
+    importlib.import_module("xgrammar.compiler")
+    importlib.import_module("xgrammar.tokenizer_info")
 
 
 def compile_source(compiler: Any, kind: str, text: str) -> Any:
