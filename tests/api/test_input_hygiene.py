@@ -88,9 +88,10 @@ def test_non_finite_logit_bias_is_400(server) -> None:
     (CHAT, {"stop_token_ids": list(range(1025))}, "stop_token_ids", ["--max-stop-token-ids"]),
     (CHAT, {"messages": MSG * 1025}, "messages", ["1024", "--max-messages"]),
     (COMPLETIONS, {"prompt": ["x"] * 129}, "prompt", ["128", "--max-prompts"]),
-    (COMPLETIONS, {"prompt": ["x"] * 100, "n": 100, "max_tokens": 100}, "max_tokens",
-     ["1000000", "--max-tokens-per-request"]),
-    (COMPLETIONS, {"prompt": ["x"] * 3, "n": 128}, "n", ["unset", "--max-tokens-per-request"]),
+    (COMPLETIONS, {"prompt": ["x"] * 2, "n": 100, "max_tokens": 700}, "max_tokens",
+     ["140000", "--max-tokens-per-request"]),
+    # sequences are checked before tokens: 384 of them would also ask for too many tokens
+    (COMPLETIONS, {"prompt": ["x"] * 3, "n": 128}, "n", ["384", "--max-seqs-per-request"]),
     (CHAT, {"min_tokens": 10**12}, "min_tokens", []),
     (CHAT, {"min_tokens": 600, "max_tokens": None}, "min_tokens", ["512"]),
     (CHAT, {"top_k": 2**70}, "top_k", []),
@@ -169,6 +170,7 @@ def test_limits_follow_their_flags(tight_server) -> None:
                "logit_bias")
     assert_400(post(srv, COMPLETIONS, prompt=["a", "b"], n=3, max_tokens=11), "max_tokens",
                "66")
+    assert_400(post(srv, COMPLETIONS, prompt="a"), "n", "unset", "--max-tokens-per-request")
 
 
 def test_help_and_readme_document_every_limit_flag() -> None:
@@ -182,7 +184,11 @@ def test_help_and_readme_document_every_limit_flag() -> None:
     section = readme.split("### Limits and failure behaviour", 1)[1].split("\n### ", 1)[0]
     for flag in ("--max-logprobs", "--max-stop-strings", "--max-stop-token-ids",
                  "--max-logit-bias", "--max-messages", "--max-prompts",
-                 "--max-tokens-per-request", "--timeout-keep-alive", "--timeout-request-header",
+                 "--max-tokens-per-request", "--max-seqs-per-request", "--max-client-seqs",
+                 "--max-waiting-requests", "--preprocess-workers", "--timeout-idle-connection",
+                 "--max-idle-connections-per-address", "--max-grammar-bytes",
+                 "--max-grammar-alternatives", "--grammar-compile-timeout",
+                 "--health-stall-timeout", "--timeout-keep-alive", "--timeout-request-header",
                  "--timeout-request-body", "--limit-concurrency", "--max-request-body-bytes"):
         assert flag in out and f"`{flag}`" in section, flag
 
