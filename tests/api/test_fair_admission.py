@@ -174,11 +174,15 @@ def test_counts_return_to_zero_however_requests_end(limited) -> None:
     bad = httpx.post(url, json={**body(2), "prompt": [10**9]}, timeout=60)
     assert bad.status_code == 400, bad.text
     # non-streamed requests whose client gives up (timeout), and streams cut mid-way
+    gave_up = 0
     for _ in range(5):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url, json=body(LONG), timeout=httpx.Timeout(60, read=0.3))
+        try:  # the tiny model can finish 480 tokens in a quarter of a second on a quiet CPU
+            httpx.post(url, json=body(LONG), timeout=httpx.Timeout(60, read=0.02))
+        except httpx.ReadTimeout:
+            gave_up += 1
         with httpx.stream("POST", url, json=body(LONG, stream=True), timeout=60) as resp:
             next(line for line in resp.iter_lines() if line.startswith("data:"))
+    assert gave_up, "no client gave up: the disconnect path was not exercised"
     # and requests that finish
     for n in (1, 4):
         assert httpx.post(url, json={**body(3), "n": n}, timeout=60).status_code == 200
