@@ -21,6 +21,8 @@ from server_process import TINY_FLAGS, start_server
 
 from server.api.connections import SILENT_GRACE_S
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 HEADER_TIMEOUT = 1.5
 BODY_TIMEOUT = 3.0
 KEEP_ALIVE = 1.0

@@ -21,6 +21,8 @@ import httpx
 import pytest
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 ATTACKER = "127.0.0.2"
 MB15 = ("hello world " * 1_310_720)[: 15 * 1024 * 1024]
 # Each latency bound: 2x the idle latency plus this (a few engine steps of the tiny model,

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 A_ADDRESS = "127.0.0.2"  # the flooding client; the control client connects from 127.0.0.1
 
 

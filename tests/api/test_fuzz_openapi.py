@@ -33,6 +33,8 @@ from server_process import TINY_FLAGS, start_server
 from server.api.app import build_app
 from server.config import ServerConfig
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 # Cases per operation with a body and generation mode (positive, negative): ~1600 in all,
 # ~30 s on 2 cores (a route without parameters has one possible request).
 EXAMPLES = 200

@@ -19,6 +19,8 @@ import httpx
 import pytest
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 TIMEOUT_S = 1.5
 # generous: the machine is shared and noisy; the unbounded server needs 20 s and more
 MARGIN_S = 8.0

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 ATTACKER = "127.0.0.2"  # loopback too: the server sees a second address
 CONNECTIONS = 1000
 ATTACK_SECONDS = 8.0

@@ -8,6 +8,9 @@ import threading
 import time
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
 
 
 def can_connect(port: int) -> bool:

@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 
 def _waiting(base_url: str) -> float:
     for line in httpx.get(base_url + "/metrics").text.splitlines():

@@ -17,6 +17,8 @@ import httpx
 import pytest
 from server_process import MODEL_NAME
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 PROMPTS = ([3, 4, 5, 6], [8, 9, 10, 11])  # two different answers: a crossed wire shows
 TOKENS = 6
 TIMEOUT = 30  # far beyond a tiny-model answer: reaching it means a hung request

@@ -14,6 +14,8 @@ import httpx
 import pytest
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 
 def metric(server, name: str) -> float:
     for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():

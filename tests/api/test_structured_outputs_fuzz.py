@@ -55,4 +55,4 @@ def test_random_constraints_never_answer_5xx(server) -> None:
     assert resp.json()["choices"][0]["text"] in ("yes", "no")
 
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]

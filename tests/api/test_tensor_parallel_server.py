@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 TP_FLAGS = ("--tensor-parallel-size", "2")
 
 

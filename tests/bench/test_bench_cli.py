@@ -10,6 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 
 def counter(base_url: str, name: str) -> float:
     text = httpx.get(base_url + "/metrics").text

@@ -13,6 +13,8 @@ from server.config import SchedulerConfig
 from server.engine.scheduler import SchedulerLimits
 from server.hpu.types import Phase
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 BLOCK = 16
 
 

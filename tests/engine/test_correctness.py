@@ -12,6 +12,8 @@ from transformers import GenerationConfig
 
 from server import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 NEW_TOKENS = 32
 
 

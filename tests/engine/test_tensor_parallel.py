@@ -18,6 +18,8 @@ from server.hpu.distributed import ParallelContext
 from server.models.loader import load_model, resolve_model_source
 from server.models.tensor_parallel import ShardPlan
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea:",

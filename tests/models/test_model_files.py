@@ -26,6 +26,8 @@ import pytest
 
 from server_process import ServerProcess, free_port, wait_healthy
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 ROOT = Path(__file__).resolve().parents[2]
 # small KV cache and few buckets: the valid reference starts quickly, and both the
 # reference and the damaged copies run with the same flags

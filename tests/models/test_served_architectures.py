@@ -9,6 +9,8 @@ import torch
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 from transformers import GenerationConfig
 
+pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
+
 NEW_TOKENS = 12
 
 
