@@ -48,6 +48,18 @@ def test_device_and_engine_layers_never_speak_http() -> None:
             assert not found, path
 
 
+def test_the_api_package_imports_no_torch() -> None:
+    """The API knows the engine only through leaf types (outputs, sampling params): the
+    whole app imports without torch, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    probe = "import sys, server.api.app, server.api.http_server; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent).stdout.strip()
+    assert out == "False"
+
+
 def test_only_config_reads_the_environment() -> None:
     for path in ROOT.rglob("*.py"):
         if path.name == "config.py" and path.parent == ROOT:

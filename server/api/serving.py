@@ -27,8 +27,7 @@ from server.api.structured import structured_outputs_of
 from server.api.tool_parsers import ToolParser
 from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 from server.config import ChatOptions, RequestLimits
-from server.engine.llm_engine import EngineStats
-from server.engine.outputs import RequestOutput
+from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.engine.tokenizer import Tokenizer
 from server.metrics import ServerMetrics

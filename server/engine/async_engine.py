@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry
 
 from server.config import EngineConfig
 from server.engine.errors import EngineDeadError, RequestError, RequestFailedError
-from server.engine.llm_engine import EngineStats, LLMEngine
+from server.engine.llm_engine import LLMEngine
 from server.engine.output_processor import RequestState
-from server.engine.outputs import RequestOutput
+from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.engine.tokenizer import Tokenizer
 

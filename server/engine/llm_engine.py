@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +18,7 @@ from server.engine.executor import RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
 from server.engine.model_runner import ModelRunner, ModelRunnerOutput
 from server.engine.output_processor import OutputProcessor, ProcessedStep, RequestState
-from server.engine.outputs import RequestOutput
+from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerLimits
 from server.engine.sequence import ScheduledBatch, Sequence
@@ -39,20 +38,6 @@ logger = logging.getLogger(__name__)
 
 # Consecutive steps in which every request failed before the engine declares a device fault.
 MAX_FAILED_STEPS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot for metrics and health reporting."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int = 0  # prompt tokens looked up (cumulative)
-    prefix_cache_hits: int = 0  # of which found cached
 
 
 class LLMEngine:

@@ -90,3 +90,18 @@ class RequestOutput:
         self.metrics = later.metrics
         self.num_generated_tokens = later.num_generated_tokens
         self.error = later.error
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine for metrics and health reporting (a leaf type: the API reads
+    it without importing the engine core, and so without torch)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up (cumulative)
+    prefix_cache_hits: int = 0  # of which found cached
