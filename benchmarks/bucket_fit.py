@@ -41,7 +41,8 @@ from server.bucket_suggest import reference_plan  # noqa: E402
 from server.config import BucketingConfig  # noqa: E402
 from server.engine.block_manager import BlockManager  # noqa: E402
 from server.engine.sampling_params import SamplingParams  # noqa: E402
-from server.engine.scheduler import Scheduler, SchedulerLimits  # noqa: E402
+from server.config import SchedulerLimits  # noqa: E402
+from server.engine.scheduler import Scheduler  # noqa: E402
 from server.engine.sequence import Sequence  # noqa: E402
 from server.hpu.bucket_fit import KV_WEIGHT, Observed, WarmupModel, evaluate, suggest  # noqa: E402
 from server.hpu.bucketing import decode_buckets, prompt_buckets, resolve_ranges  # noqa: E402

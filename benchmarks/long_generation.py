@@ -34,7 +34,7 @@ from server.api.serving import RequestTag, ServingContext  # noqa: E402
 from server.api.serving_completion import create_completion  # noqa: E402
 from server.config import make_engine_config  # noqa: E402
 from server.engine.async_engine import AsyncEngine  # noqa: E402
-from server.engine.model_runner import ModelRunnerOutput  # noqa: E402
+from server.engine.outputs import ModelRunnerOutput  # noqa: E402
 from server.engine.sampling_params import SamplingParams  # noqa: E402
 from server.metrics import ServerMetrics  # noqa: E402
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 
 from server.bench.cli import add_bench_args
 from server.config import (
@@ -138,22 +139,21 @@ def serve(args: argparse.Namespace) -> int:
         chat_parsers(server_cfg.chat)  # an unknown parser name fails before the model loads
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    engine_dead = threading.Event()
+
+    def engine_died(exc: BaseException) -> None:  # on the engine's thread
+        logger.critical("the engine died (%r): stopping the server, exit status 1", exc)
+        engine_dead.set()
+
     try:
-        engine = AsyncEngine.from_config(engine_cfg)  # load + KV cache sizing
+        engine = AsyncEngine.from_config(engine_cfg, on_dead=engine_died)  # load + KV sizing
     except ModelFileError as exc:  # a damaged or mismatched model: one line, no traceback
         raise SystemExit(f"error: {exc}") from None
     # every bucket compiled/captured before the port opens, on the thread that will serve
     engine.call(engine.engine.warmup)
     app = build_app(engine, server_cfg)
-    http = HttpServer(app, server_cfg, on_deadline=engine.abort_all)
-
-    def engine_died(exc: BaseException) -> None:
-        logger.critical("the engine died (%r): stopping the server, exit status 1", exc)
-        http.stop()
-
-    engine.on_dead = engine_died
-    if engine.dead_reason is not None:  # died before anyone listened (a TP worker, say)
-        engine_died(engine.dead_reason)
+    # a death before anyone listened (a TP worker, say) has set it already: exits at once
+    http = HttpServer(app, server_cfg, on_deadline=engine.abort_all, stop_when=engine_dead)
     logger.info("serving %s on http://%s:%d", engine.model_name, server_cfg.host,
                 server_cfg.port)
     http.run()

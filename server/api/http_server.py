@@ -33,10 +33,19 @@ class GracefulServer(uvicorn.Server):
     the signal afterwards, so the process would die by it; a drained shutdown exits 0 here."""
 
     def __init__(self, config: uvicorn.Config, drain_seconds: float,
-                 on_deadline: Callable[[], None] | None) -> None:
+                 on_deadline: Callable[[], None] | None,
+                 stop_when: threading.Event | None = None) -> None:
         super().__init__(config)
         self.drain_seconds = drain_seconds
         self.on_deadline = on_deadline
+        self.stop_when = stop_when
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's main loop asks this ten times a second whether to exit: also once
+        ``stop_when`` is set (from any thread: the engine's, when it dies)."""
+        if self.stop_when is not None and self.stop_when.is_set():
+            return True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -67,11 +76,12 @@ class GracefulServer(uvicorn.Server):
 
 
 class HttpServer:
-    """The uvicorn server of one app; ``stop()`` may be called from any thread (the engine
-    thread calls it when the engine dies, so the process exits and is restarted)."""
+    """The uvicorn server of one app. It stops once ``stop_when`` is set, from any thread
+    (the engine thread sets it when the engine dies, so the process exits and is restarted)."""
 
     def __init__(self, app: FastAPI, cfg: ServerConfig,
-                 on_deadline: Callable[[], None] | None = None) -> None:
+                 on_deadline: Callable[[], None] | None = None,
+                 stop_when: threading.Event | None = None) -> None:
         limits = ConnectionLimits(header_timeout=cfg.timeout_request_header,
                                   body_timeout=cfg.timeout_request_body,
                                   max_requests=cfg.limit_concurrency,
@@ -87,10 +97,7 @@ class HttpServer:
             # silent connections too, stays off
             http=protocol_factory(ConnectionBook(limits)),
         )
-        self._server = GracefulServer(config, cfg.shutdown_timeout, on_deadline)
-
-    def stop(self) -> None:
-        self._server.should_exit = True  # uvicorn's main loop polls it
+        self._server = GracefulServer(config, cfg.shutdown_timeout, on_deadline, stop_when)
 
     def run(self) -> None:
         """Binds the port (only now: the engine is loaded and warmed up) and serves."""

@@ -127,8 +127,9 @@ class AsyncEngine:
         self._engine.on_fault(self._fault)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(lambda: LLMEngine(config))
+    def from_config(cls, config: EngineConfig,
+                    on_dead: Callable[[BaseException], None] | None = None) -> AsyncEngine:
+        return cls(lambda: LLMEngine(config), on_dead)
 
     @property
     def engine(self) -> LLMEngine:

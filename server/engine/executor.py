@@ -45,9 +45,8 @@ import torch
 import torch.distributed as dist
 
 from server.cache_dir import writable_cache_dir
-from server.config import EngineConfig
+from server.config import EngineConfig, SchedulerLimits
 from server.engine.model_runner import ModelRunner
-from server.engine.scheduler import SchedulerLimits
 from server.hpu.distributed import ParallelContext, close_parallel, free_port, tensors_to
 from server.hpu.graph_runner import ForwardInputs, GraphRunner
 from server.hpu.platform import Platform, detect_platform

@@ -10,13 +10,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from server.config import SchedulerLimits
 from server.engine.block_manager import blocks_for
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import RequestError
 from server.engine.output_processor import RequestState
 from server.engine.outputs import CompletionOutput, RequestMetrics
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import SchedulerLimits
 from server.engine.sequence import Sequence
 from server.engine.structured_outputs import StructuredOutputs
 from server.engine.tokenizer import Tokenizer

@@ -11,16 +11,16 @@ from collections.abc import Callable
 import torch
 
 from server.cache_dir import writable_cache_dir
-from server.config import EngineConfig, ExecutionMode
+from server.config import EngineConfig, ExecutionMode, SchedulerLimits
 from server.engine.block_manager import BlockManager
 from server.engine.errors import EngineFaultError, RequestError
 from server.engine.executor import RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
-from server.engine.model_runner import ModelRunner, ModelRunnerOutput
+from server.engine.model_runner import ModelRunner
 from server.engine.output_processor import OutputProcessor, ProcessedStep, RequestState
-from server.engine.outputs import EngineStats, RequestOutput
+from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import Scheduler, SchedulerLimits
+from server.engine.scheduler import Scheduler
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.engine.structured_outputs import StructuredOutputs
 from server.engine.tokenizer import Tokenizer

@@ -11,19 +11,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from server.config import EngineConfig
+from server.config import EngineConfig, SchedulerLimits
 from server.engine.block_manager import blocks_for
 from server.engine.input_builder import InputBuilder, dummy_seq
-from server.engine.outputs import TokenLogprob
+from server.engine.outputs import ModelRunnerOutput
 from server.engine.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import SchedulerLimits
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.hpu.adaptive import AdaptiveBuckets
 from server.hpu.bucketing import decode_buckets, format_plan, prompt_buckets, resolve_ranges
@@ -40,14 +38,6 @@ from server.models.llama import LlamaForCausalLM
 from server.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """One sampled token per scheduled sequence, in batch order."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
 
 
 class ModelForward:

@@ -7,8 +7,13 @@ import time
 from dataclasses import dataclass, replace
 
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.model_runner import ModelRunnerOutput
-from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from server.engine.outputs import (
+    CompletionOutput,
+    ModelRunnerOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import ScheduledBatch, Sequence
 from server.engine.tokenizer import Tokenizer

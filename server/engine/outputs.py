@@ -105,3 +105,13 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int = 0  # prompt tokens looked up (cumulative)
     prefix_cache_hits: int = 0  # of which found cached
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step of the model runner hands back: one sampled token per scheduled
+    sequence, in batch order (a leaf type: the output processor reads it without the
+    runner)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]

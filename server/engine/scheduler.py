@@ -9,52 +9,12 @@ from __future__ import annotations
 import bisect
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from server.config import MIN_BATCHED_TOKENS, SchedulerConfig
+from server.config import SchedulerLimits
 from server.engine.block_manager import AllocationPlan, BlockManager
 from server.engine.fair_share import ClientQueues, block_victim, fair_victim
 from server.engine.sequence import ScheduledBatch, Sequence, SequenceStatus
 from server.hpu.types import Phase
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerLimits:
-    """Resolved batch limits (no ``None``: the model is known by now)."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    policy: str = "fcfs"
-    # prompts split over steps under the token budget, decodes first (mixed steps)
-    chunked_prefill: bool = False
-    # static shapes: a prefill after a context (cached prefix, earlier chunks) runs as its
-    # own batch, as the prompt buckets with context blocks have batch size 1
-    context_prefill_alone: bool = False
-    # admission round-robins over clients (Sequence.client); see Scheduler
-    fair_share: bool = False
-
-    @classmethod
-    def resolve(cls, config: SchedulerConfig, model_max_len: int,
-                chunked_prefill: bool | None = None,
-                context_prefill_alone: bool = False,
-                chunked_budget: int = MIN_BATCHED_TOKENS) -> SchedulerLimits:
-        """The flags' limits with the model's defaults filled in, checked against it.
-        ``chunked_prefill`` overrides the flag; ``chunked_budget``: the platform's step
-        budget with chunked prefill when ``--max-num-batched-tokens`` is unset."""
-        chunked = config.enable_chunked_prefill if chunked_prefill is None else chunked_prefill
-        max_model_len = config.max_model_len or model_max_len
-        if max_model_len > model_max_len:
-            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
-                             f"{model_max_len}")
-        max_batched = config.batched_tokens_for(max_model_len, chunked, chunked_budget)
-        if max_batched < max_model_len and not chunked:
-            # Without chunked prefill a whole prompt must fit one step's token budget.
-            raise ValueError(
-                f"--max-num-batched-tokens ({max_batched}) must be >= --max-model-len "
-                f"({max_model_len}) since prompts are not chunked (--no-enable-chunked-prefill)")
-        return cls(config.max_num_seqs, max_batched, max_model_len, config.policy, chunked,
-                   context_prefill_alone, config.fair_share)
 
 
 class Scheduler:

@@ -10,7 +10,7 @@ import torch
 
 from server import LLM, SamplingParams
 from server.config import SchedulerConfig
-from server.engine.scheduler import SchedulerLimits
+from server.config import SchedulerLimits
 from server.hpu.types import Phase
 
 pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it

@@ -103,10 +103,9 @@ def test_steps_failing_for_everyone_are_an_engine_fault(engine: LLMEngine, monke
 
 
 def test_async_engine_reports_request_failure_and_death(tiny_model, monkeypatch) -> None:
-    engine = AsyncEngine.from_config(make_engine_config(model=tiny_model[0], dtype="float32",
-                                                        block_size=16))
     died: list[BaseException] = []
-    engine.on_dead = died.append
+    engine = AsyncEngine.from_config(make_engine_config(model=tiny_model[0], dtype="float32",
+                                                        block_size=16), on_dead=died.append)
     poison_runner(engine.engine, monkeypatch)
 
     async def collect(request_id: str, prompt: list[int]) -> list[int] | BaseException:

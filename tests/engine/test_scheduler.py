@@ -2,7 +2,8 @@
 
 from server.engine.block_manager import BlockManager
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import Scheduler, SchedulerLimits
+from server.config import SchedulerLimits
+from server.engine.scheduler import Scheduler
 from server.engine.sequence import ScheduledBatch, Sequence, SequenceStatus
 from server.hpu.types import Phase
 
