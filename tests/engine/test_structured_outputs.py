@@ -271,10 +271,13 @@ def test_cancelling_frees_the_worker_and_clients_take_turns(bounded) -> None:
     backend.compile(Spec(regex="[0-9]+"))
     assert time.monotonic() - start < 8.0  # a restarted worker, not two slow compilations
     assert backend.pool.killed_workers == 1 and backend.pool.queued_jobs == 0
-    # one worker, client a's five jobs ahead of client b's one: b is not served last
+    # one worker, busy with client a's first job while a's four others and then client b's
+    # one queue: b is not served last
     done: list[str] = []
-    first = [backend.compile_async(Spec(regex=f"a{i}[a-z]+"), client="a") for i in range(5)]
+    first = [backend.compile_async(Spec(json=slow_schema("a0", n=1000)), client="a")]
+    first += [backend.compile_async(Spec(regex=f"a{i}[a-z]+"), client="a") for i in range(1, 5)]
     other = backend.compile_async(Spec(regex="b[a-z]+"), client="b")
+    assert not first[0].done()  # all queued behind it: the order below is the pool's
     for i, future in enumerate(first):
         future.add_done_callback(lambda _, i=i: done.append(f"a{i}"))
     other.add_done_callback(lambda _: done.append("b"))
