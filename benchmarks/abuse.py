@@ -42,12 +42,9 @@ import ipaddress
 import json
 import os
 import resource
-import signal
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +63,7 @@ from abuse_attacks import (
     streams,
     tokenize,
 )
+from local_server import start_server, stop_server
 
 CONTROL = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
 
@@ -297,45 +295,6 @@ def print_table(results: list[Result]) -> None:
 
 # --- the server, when this script starts it -----------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
-    root = Path(__file__).resolve().parents[1]
-    port = free_port()
-    log = Path(tempfile.mkdtemp()) / "server.log"
-    cmd = [sys.executable, "-m", "server", "serve", *([args.model] if args.model else []),
-           "--host", "127.0.0.1", "--port", str(port), *args.server_arg]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError(f"server not healthy in 300 s; log: {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", help="attack this running server (loopback only) instead of one "
@@ -398,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.url:
             url, pid = args.url.rstrip("/"), args.pid
         else:
-            proc, url, log = start_server(args)
+            proc, url, log = start_server(args.model, args.server_arg)
             pid = proc.pid
             print(f"server {url} (pid {pid}, log {log})", flush=True)
         print(json.dumps({k: v for k, v in vars(args).items() if k != "url"}), flush=True)

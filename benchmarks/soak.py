@@ -28,16 +28,13 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from local_server import start_server, stop_server
 
 # prompt words: common ones and some multi-byte characters
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "paged",
@@ -247,39 +244,11 @@ def report(samples: list[Sample], tally: Tally, args: argparse.Namespace) -> dic
     return result
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
-    log = Path(tempfile.mkdtemp()) / "server.log"
-    cmd = [sys.executable, "-m", "server", "serve", *([args.model] if args.model else []),
-           "--host", "127.0.0.1", "--port", str(port), *args.server_arg]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited early:\n{log.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not become healthy in 600 s")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     proc = None
     if args.url is None:
-        proc, url, log = start_server(args)
+        proc, url, log = start_server(args.model, args.server_arg, timeout_s=600)
         pid: int | None = proc.pid
         print(f"started {url} (pid {pid}, log {log})", flush=True)
     else:
@@ -288,11 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(soak(url, pid, args))
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(result, indent=2))
     return 0 if all(result["checks"].values()) else 1
