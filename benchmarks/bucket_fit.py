@@ -37,18 +37,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from server.bench.workload import arrival_gaps  # noqa: E402
-from server.bucket_suggest import reference_plan  # noqa: E402
-from server.config import BucketingConfig  # noqa: E402
-from server.engine.block_manager import BlockManager  # noqa: E402
+from server.config import (
+    BucketingConfig,  # noqa: E402
+    SchedulerLimits,  # noqa: E402
+)
+from server.engine.core.block_manager import BlockManager  # noqa: E402
+from server.engine.core.scheduler import Scheduler  # noqa: E402
+from server.engine.core.sequence import Sequence  # noqa: E402
 from server.engine.sampling_params import SamplingParams  # noqa: E402
-from server.config import SchedulerLimits  # noqa: E402
-from server.engine.scheduler import Scheduler  # noqa: E402
-from server.engine.sequence import Sequence  # noqa: E402
-from server.hpu.bucket_fit import KV_WEIGHT, Observed, WarmupModel, evaluate, suggest  # noqa: E402
-from server.hpu.bucketing import decode_buckets, prompt_buckets, resolve_ranges  # noqa: E402
+from server.hpu.buckets.fit import KV_WEIGHT, Observed, WarmupModel, evaluate, suggest  # noqa: E402
+from server.hpu.buckets.lookup import ShapePlanner, exact_bucket  # noqa: E402
+from server.hpu.buckets.observed import ShapeStats  # noqa: E402
+from server.hpu.buckets.plan import decode_buckets, prompt_buckets, resolve_ranges  # noqa: E402
+from server.hpu.buckets.suggest import reference_plan  # noqa: E402
 from server.hpu.counters import DeviceCounters  # noqa: E402
-from server.hpu.shape_stats import ShapeStats  # noqa: E402
-from server.hpu.shapes import ShapePlanner, exact_bucket  # noqa: E402
 from server.hpu.types import Phase  # noqa: E402
 
 # the server's defaults on an accelerator: chunked prefill with a 2,048-token step budget

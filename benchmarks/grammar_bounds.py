@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from server.config import StructuredOutputsConfig  # noqa: E402
 from server.engine.errors import RequestError  # noqa: E402
 from server.engine.sampling_params import StructuredOutputsParams as Spec  # noqa: E402
-from server.engine.structured_outputs import StructuredOutputs  # noqa: E402
+from server.engine.structured_outputs.backend import StructuredOutputs  # noqa: E402
 from server.engine.tokenizer import Tokenizer  # noqa: E402
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "iota"]

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "buckets":
         if args.suggest:
-            from server.bucket_suggest import suggest_buckets
+            from server.hpu.buckets.suggest import suggest_buckets
 
             return suggest_buckets(args)
         return print_buckets(args)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
     """The warmup plan for these limits and the VLLM_* bucketing environment."""
     from server.config import SchedulerConfig, bucketing_config_from_env
-    from server.hpu.bucketing import format_plan, resolve_ranges
+    from server.hpu.buckets.plan import format_plan, resolve_ranges
 
     batched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens
                               ).batched_tokens_for(args.max_model_len,

@@ -227,7 +227,7 @@ DimOverride = tuple[int | None, int | None, int | None]
 @dataclass(frozen=True, slots=True)
 class BucketingConfig:
     """The reference's bucketing knobs, parsed and checked at start-up. Defaults that depend
-    on the model's limits (``None`` here) are resolved by ``server.hpu.bucketing``."""
+    on the model's limits (``None`` here) are resolved by ``server.hpu.buckets.plan``."""
 
     enabled: bool = True  # VLLM_ENABLE_BUCKETING
     strategy: str = "exp"  # VLLM_BUCKETING_STRATEGY (or VLLM_EXPONENTIAL_BUCKETING=false: lin)
@@ -241,7 +241,7 @@ class BucketingConfig:
     decode_bs: DimOverride = (None, None, None)
     decode_block: DimOverride = (None, None, None)
     # --bucketing-strategy adaptive (or VLLM_BUCKETING_STRATEGY=adaptive): the exp plan, plus
-    # buckets added while serving where observed traffic pads a lot (server.hpu.adaptive)
+    # buckets added while serving where observed traffic pads a lot (server.hpu.buckets.adaptive)
     adaptive: bool = False
     adaptive_interval: int = 256  # HPU_SERVE_ADAPTIVE_INTERVAL: steps between re-plans
     adaptive_min_saving: float = 0.01  # HPU_SERVE_ADAPTIVE_MIN_SAVING: of computed tokens

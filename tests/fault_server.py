@@ -17,7 +17,7 @@ import sys
 import time
 
 from server.cli import main
-from server.engine.model_runner import ModelRunner
+from server.engine.worker.model_runner import ModelRunner
 
 FAULT = os.environ.get("HPU_SERVE_TEST_FAULT", "")
 _execute = ModelRunner.execute

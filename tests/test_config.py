@@ -57,7 +57,7 @@ def test_example_env_file_matches_the_defaults() -> None:
     example = Path(__file__).resolve().parents[1] / "config" / "server.example.env"
     env = dict(line.split("=", 1) for line in example.read_text().splitlines()
                if line and not line.startswith("#"))
-    from server.hpu.bucketing import resolve_ranges
+    from server.hpu.buckets.plan import resolve_ranges
 
     explicit, default = parse([], env), parse([], {})
     # the example documents the defaults, exactly

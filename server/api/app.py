@@ -37,8 +37,8 @@ from server.api.serving import (
     RequestTag,
     ServingContext,
     check_model,
-    guarded_sse,
     content_bytes,
+    guarded_sse,
     refuse_oversized,
 )
 from server.api.serving_chat import create_chat_completion

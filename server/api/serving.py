@@ -14,10 +14,9 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
-
-import server
 from starlette.responses import Response
 
+import server
 from server.api.admission import AdmittedStream, ClientSeqs
 from server.api.answer_json import LOGPROB_FLOOR, LogprobFormatter, json_logprob
 from server.api.errors import APIError, error_body, stream_error

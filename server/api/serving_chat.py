@@ -8,9 +8,9 @@ from typing import Any
 
 from starlette.responses import Response
 
-from server.api.errors import APIError
 from server.api.answer_json import answer_bytes
 from server.api.chat_output import ChoiceReader, DeltaParts
+from server.api.errors import APIError
 from server.api.protocol import (
     AssistantMessage,
     ChatChoice,

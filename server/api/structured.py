@@ -17,7 +17,6 @@ from server.api.protocol import ResponseFormat, StructuredOutputsRequest
 from server.engine.sampling_params import StructuredOutputsParams
 
 
-
 def structured_outputs_of(req: Any) -> StructuredOutputsParams | None:
     """The request's one constraint, or None; 400 when several are given or one is empty."""
     given: list[tuple[str, dict[str, Any]]] = []

@@ -1,8 +1,13 @@
-"""Engine core: request lifecycle from prompt to outputs.
+"""The engine: a request's life from prompt to outputs, by role.
 
-Owns: sampling params, input and output processing, the scheduler and KV block bookkeeping
-(pure Python), the model runner (the model's device resources and one step on them), the
-sampler, tokenizer / detokenizer, the synchronous ``LLMEngine``, the threaded ``AsyncEngine``
-and the offline ``LLM``.
-May import: ``server.models``, ``server.hpu``, ``server.config``. Never HTTP.
+- ``core/``: scheduler, KV block manager, sequences (pure Python);
+- ``worker/``: model runner, input builder, sampler (one step on the device);
+- ``executor/``: the tensor-parallel ranks (``base``, ``mp``, ``ray``);
+- ``structured_outputs/``: grammar limits, compile workers, token masks;
+- here, the front end: ``LLMEngine`` (``step = schedule -> run -> process``), the threaded
+  ``AsyncEngine``, the offline ``LLM``, the input and output processors, tokenizer and
+  detokenizer, and the leaf types that cross the step (``outputs``, ``request_state``,
+  ``sampling_params``, ``errors``).
+
+May import ``server.models``, ``server.hpu`` and ``server.config``; never HTTP.
 """

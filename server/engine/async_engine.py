@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry
 from server.config import EngineConfig
 from server.engine.errors import EngineDeadError, RequestError, RequestFailedError
 from server.engine.llm_engine import LLMEngine
-from server.engine.output_processor import RequestState
 from server.engine.outputs import EngineStats, RequestOutput
+from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
 from server.engine.tokenizer import Tokenizer
 

@@ -11,14 +11,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from server.config import SchedulerLimits
-from server.engine.block_manager import blocks_for
+from server.engine.core.block_manager import blocks_for
+from server.engine.core.sequence import Sequence
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import RequestError
-from server.engine.output_processor import RequestState
 from server.engine.outputs import CompletionOutput, RequestMetrics
+from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import Sequence
-from server.engine.structured_outputs import StructuredOutputs
+from server.engine.structured_outputs.backend import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
 
 # The structured-outputs backend, built on first use (reading a vocabulary takes a moment).

@@ -12,18 +12,19 @@ import torch
 
 from server.cache_dir import writable_cache_dir
 from server.config import EngineConfig, ExecutionMode, SchedulerLimits
-from server.engine.block_manager import BlockManager
+from server.engine.core.block_manager import BlockManager
+from server.engine.core.scheduler import Scheduler
+from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.errors import EngineFaultError, RequestError
 from server.engine.executor import RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
-from server.engine.model_runner import ModelRunner
-from server.engine.output_processor import OutputProcessor, ProcessedStep, RequestState
+from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
+from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import Scheduler
-from server.engine.sequence import ScheduledBatch, Sequence
-from server.engine.structured_outputs import StructuredOutputs
+from server.engine.structured_outputs.backend import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
+from server.engine.worker.model_runner import ModelRunner
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE
 from server.hpu.platform import Platform, detect_platform

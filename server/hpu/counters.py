@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
-from server.hpu.shape_stats import ShapeStats
+from server.hpu.buckets.observed import ShapeStats
 
 # vLLM exposes no *_created series; neither do we (they double every counter).
 disable_created_metrics()

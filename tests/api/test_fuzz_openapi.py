@@ -18,6 +18,8 @@ import time
 import httpx
 import pytest
 import schemathesis
+from fake_engine import FakeEngine
+from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -26,8 +28,6 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from fake_engine import FakeEngine
-from fastapi.routing import APIRoute
 from server_process import TINY_FLAGS, start_server
 
 from server.api.app import build_app

@@ -61,7 +61,7 @@ def test_observed_shapes_behind_the_key(keyed_server) -> None:
 
 def test_suggest_reads_a_live_server_with_its_key(keyed_server, tmp_path, capsys) -> None:
     from server.cli import main
-    from server.hpu.bucketing import parse_bucket_file
+    from server.hpu.buckets.plan import parse_bucket_file
 
     resp = httpx.post(keyed_server.base_url + "/v1/completions", timeout=60,
                       headers={"Authorization": "Bearer k3y"},

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from server import LLM, SamplingParams
-from server.config import SchedulerConfig
-from server.config import SchedulerLimits
+from server.config import SchedulerConfig, SchedulerLimits
 from server.hpu.types import Phase
 
 pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from server.engine.block_manager import BlockManager
+from server.engine.core.block_manager import BlockManager
+from server.engine.core.sequence import Sequence
 from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import Sequence
 from server.hpu.attention import AttentionMetadata, flat_paged_attention, prompt_attention
 
 BLOCK, HKV, GROUPS, D = 4, 2, 3, 8
@@ -25,7 +25,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 @pytest.mark.parametrize("pad_rows, pad_blocks", [(0, 0), (3, 0), (0, 5), (2, 7)])
 def test_flat_paged_attention_matches_dense(pad_rows: int, pad_blocks: int) -> None:
-    from server.engine.input_builder import InputBuilder
+    from server.engine.worker.input_builder import InputBuilder
 
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def token_slots(seq: Sequence) -> list[int]:
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("window", [1, 4, 6, 9, 64])
 def test_windowed_flat_decode_matches_naive(window: int, softcap: float | None) -> None:
-    from server.engine.input_builder import InputBuilder
+    from server.engine.worker.input_builder import InputBuilder
 
     torch.manual_seed(5)
     bm, seqs, (k_cache, v_cache), (k_rows, v_rows) = scattered_cache([1, 4, 5, 11, 17, 26])

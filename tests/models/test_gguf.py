@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gguf_files import HF_LAYER_NAMES, gguf_quantizer, write_gguf
+
 from server.models.loader import load_model, resolve_model_source
 
 SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -42,11 +42,11 @@ def assert_last_logits_match(loaded, hf_model, length: int) -> None:
 
 def last_logits(loaded, prompt: list[int]) -> torch.Tensor:
     """Our logits at the prompt's last position, through a paged prefill."""
-    from server.engine.block_manager import BlockManager
-    from server.engine.input_builder import InputBuilder
-    from server.engine.model_runner import ModelForward
+    from server.engine.core.block_manager import BlockManager
+    from server.engine.core.sequence import Sequence
     from server.engine.sampling_params import SamplingParams
-    from server.engine.sequence import Sequence
+    from server.engine.worker.input_builder import InputBuilder
+    from server.engine.worker.model_runner import ModelForward
     from server.hpu.kv_cache import allocate_kv_cache
 
     cfg = loaded.config

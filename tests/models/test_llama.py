@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from server.engine.block_manager import BlockManager
+from server.engine.core.block_manager import BlockManager
+from server.engine.core.sequence import Sequence
 from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import Sequence
 from server.hpu.kv_cache import allocate_kv_cache
 from server.models.loader import load_model, resolve_model_source
 
@@ -26,8 +26,8 @@ def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int,
     """Prefill all prompts as one padded batch, then decode `steps` tokens (teacher-forced
     with the reference's tokens), returning our logits per step. ``inspect`` sees the
     loaded model first (to hook it)."""
-    from server.engine.input_builder import InputBuilder
-    from server.engine.model_runner import ModelForward
+    from server.engine.worker.input_builder import InputBuilder
+    from server.engine.worker.model_runner import ModelForward
 
     loaded = load_model(resolve_model_source(folder), "float32", torch.device("cpu"))
     if inspect is not None:

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from server_process import ServerProcess, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it

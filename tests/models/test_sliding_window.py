@@ -198,9 +198,9 @@ def test_partial_rotary_sizes_rope_over_the_rotated_dims(tmp_path) -> None:
 def test_gemma3_bfloat16_prefill_rounds_like_transformers(tiny_model_factory) -> None:
     """In bfloat16 the norms scale by 1 + w in float32 and round once, w held in bfloat16,
     as transformers does (1 + w rounded to bfloat16 put these logits 0.11 apart)."""
-    from server.engine.input_builder import InputBuilder
-    from server.engine.model_runner import ModelForward
-    from server.engine.sequence import Sequence
+    from server.engine.core.sequence import Sequence
+    from server.engine.worker.input_builder import InputBuilder
+    from server.engine.worker.model_runner import ModelForward
     from server.hpu.kv_cache import allocate_kv_cache
     from server.models.loader import load_model, resolve_model_source
 

@@ -222,10 +222,10 @@ def test_float16_on_cpu_keeps_pytorch_ops(fused, tiny_model) -> None:
 def test_prompt_attention_kernel_matches_sdpa_on_a_padded_batch(fused, dtype) -> None:
     """Prefill through the paged kernel (one row per token, causal via per-token lengths)
     against PyTorch's SDPA on the same right-padded [bs, q] batch."""
-    from server.engine.block_manager import BlockManager
-    from server.engine.input_builder import InputBuilder
+    from server.engine.core.block_manager import BlockManager
+    from server.engine.core.sequence import Sequence
     from server.engine.sampling_params import SamplingParams
-    from server.engine.sequence import Sequence
+    from server.engine.worker.input_builder import InputBuilder
 
     torch.manual_seed(3)
     block, heads, kv_heads, dim = 16, 6, 2, 64

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch._dynamo.backends import registry
 
-
 from habana_frameworks import standin
 
 

@@ -1,0 +1,102 @@
+"""``--distributed-executor-backend mp``: ranks 1..N-1 as spawned processes on this host.
+
+Each worker runs :func:`~server.engine.executor.base.serve_rank` after ignoring the process
+group's signals (a signal sent to the whole group must not kill a worker under a draining
+server) and watching its parent: it exits when rank 0 has gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+
+from server.config import EngineConfig
+from server.engine.executor.base import RankExecutor, serve_rank
+from server.hpu.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+_LOOPBACK = "127.0.0.1"
+
+
+class MultiprocExecutor(RankExecutor):
+    """``--distributed-executor-backend mp``: ranks 1..N-1 are spawned processes on this
+    host, meeting rank 0 over loopback; rank r uses the host's device r."""
+
+    def _start_workers(self, config: EngineConfig, platform: Platform,
+                       port: int) -> tuple[str, int]:
+        spawn = multiprocessing.get_context("spawn")  # fork can hang device runtimes
+        self.workers = [
+            spawn.Process(target=worker_main,
+                          args=(config, rank, _LOOPBACK, port, rank, os.getpid()),
+                          name=f"hpu-serve-tp{rank}")
+            for rank in range(1, self.world_size)
+        ]
+        for rank, worker in enumerate(self.workers, start=1):
+            worker.start()
+            logger.info("Tensor-parallel worker rank %d started (pid %d)", rank, worker.pid)
+        return _LOOPBACK, 0
+
+    def _describe(self, rank: int) -> str:
+        worker = self.workers[rank - 1]
+        return (f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited "
+                f"(exit code {worker.exitcode})")
+
+    def _exited_worker(self) -> str | None:
+        for rank, worker in enumerate(getattr(self, "workers", []), start=1):
+            if not worker.is_alive():
+                return self._describe(rank)
+        return None
+
+    def _wait_for_exit(self) -> str:
+        sentinels = {w.sentinel: rank for rank, w in enumerate(self.workers, start=1)}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        rank = sentinels[ready[0]]  # type: ignore[index]
+        self.workers[rank - 1].join(1)  # for its exit code
+        return self._describe(rank)
+
+    def _join_workers(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+
+    def _kill_workers(self) -> None:
+        # SIGKILL and reap: a worker ignores SIGTERM by design
+        for worker in getattr(self, "workers", []):
+            if worker.is_alive():
+                worker.kill()
+            worker.join(5)
+
+
+def worker_main(config: EngineConfig, rank: int, host: str, port: int, local_rank: int,
+                parent_pid: int) -> None:
+    """Entry point of an mp worker: ignore the process group's signals, follow the parent
+    (rank 0) out, then :func:`serve_rank`."""
+    from server.log import init_logging
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    init_logging()
+    _exit_with_parent(parent_pid)
+    try:
+        serve_rank(config, rank, host, port, local_rank)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)  # skip a teardown that could wait on the broken process group
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Ends this worker when rank 0 has gone (even by SIGKILL): it would otherwise wait
+    for orders forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

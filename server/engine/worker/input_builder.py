@@ -1,0 +1,242 @@
+"""Scheduled sequences -> padded device tensors, laid out for static shapes.
+
+A prefill batch is a right-padded ``[bs, q]`` grid with a flat ``slot_mapping`` into the
+cache (pad tokens write into the reserved padding block, never a negative index); a decode
+batch is one token per row plus either the flat list of all the batch's KV blocks with a
+one-hot ``block_mapping`` (vLLM Gaudi's flat paged attention, any device) or per-row block
+tables (the fused CPU kernel). Both can be padded further (``pad_to``) to a bucket's shape
+without changing any code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.core.sequence import Sequence
+from server.engine.sampling_params import SamplingParams
+from server.hpu.attention import AttentionMetadata
+from server.hpu.graph_runner import ForwardInputs
+from server.hpu.types import Bucket, Phase
+
+# Additive mask value for unused slots of a block (finite: -inf - -inf would be NaN).
+_MASKED = -1e30
+
+
+@dataclass(slots=True)
+class InputBuilder:
+    """Builds :class:`ForwardInputs` for one KV cache geometry and layer-ops layout."""
+
+    block_size: int
+    pad_block_id: int
+    device: torch.device
+    dtype: torch.dtype  # the model's: the one-hot block mapping is multiplied in it
+    # "flat" (block list + one-hot mapping) or "block_tables" (per-row tables): whichever
+    # the model's layer ops read.
+    decode_layout: str = "flat"
+
+    def prefill(
+        self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None,
+        new_tokens: list[int] | None = None, ctx_blocks: int | None = None,
+    ) -> ForwardInputs:
+        """Each sequence's next ``new_tokens`` (default: all) past the tokens already in
+        the cache (a cached prefix, earlier chunks), right-padded into ``[bs, q]``; the
+        queries start there and attend to what precedes them in the cache. ``ctx_blocks``:
+        the bucket's context width (static shapes: the tables are padded to it and whether
+        the context path runs is the bucket's, not the data's, decision)."""
+        starts = [s.num_computed_tokens for s in seqs]
+        lens = (new_tokens if new_tokens is not None
+                else [s.num_tokens - c for s, c in zip(seqs, starts)])
+        bs, q = pad_to if pad_to is not None else (len(seqs), max(lens))
+        block = self.block_size
+        if ctx_blocks is None:
+            width = max([-(-(c + q) // block) for c in starts] + [1])
+            with_context = any(starts)
+        else:
+            width = ctx_blocks + -(-q // block)
+            with_context = ctx_blocks > 0
+        token_ids = torch.zeros(bs, q, dtype=torch.long)
+        block_tables = torch.full((bs, width), self.pad_block_id, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            start = starts[row]
+            token_ids[row, : lens[row]] = torch.tensor(
+                seq.all_token_ids[start : start + lens[row]])
+            # a chunked prompt holds blocks for all of it: only those up to the chunk count
+            table = seq.block_table[:width]
+            block_tables[row, : len(table)] = torch.tensor(table)
+        seq_lens = torch.zeros(bs, dtype=torch.long)  # new tokens per row
+        seq_lens[: len(seqs)] = torch.tensor(lens)
+        context = torch.zeros(bs, dtype=torch.long)  # cached tokens per row
+        context[: len(seqs)] = torch.tensor(starts)
+        offsets = torch.arange(q).expand(bs, q)
+        positions = offsets + context.unsqueeze(1)
+        is_real = offsets < seq_lens.unsqueeze(1)
+        slots = block_tables.gather(1, positions // block) * block + positions % block
+        pad_slots = self.pad_block_id * block + offsets % block
+        slot_mapping = torch.where(is_real, slots, pad_slots).reshape(-1)
+        # Pad rows point at token 0: their logits are computed (static shape) and dropped.
+        logits_indices = (torch.arange(bs) * q + seq_lens - 1).clamp(min=0)
+        meta = AttentionMetadata(True, block, slot_mapping.to(self.device))
+        total = (context + seq_lens).clamp(min=1)
+        if self.decode_layout == "block_tables":
+            # Every token is a row of the paged-attention kernel: its sequence's table and
+            # the keys up to itself (causal, cached prefix included); pad tokens see their
+            # row's real keys.
+            meta.block_tables = block_tables.to(torch.int32).repeat_interleave(q, dim=0).to(
+                self.device)
+            token_lens = torch.minimum(positions + 1, total.unsqueeze(1))
+            meta.seq_lens = token_lens.reshape(-1).to(torch.int32).to(self.device)
+        if with_context:
+            # the queries attend to the cache (prefix and their own fresh keys)
+            meta.has_context = True
+            meta.context_tables = block_tables.to(self.device)
+            meta.context_lens = context.to(self.device)
+            meta.total_lens = total.to(self.device)
+        return ForwardInputs(
+            token_ids.to(self.device),
+            torch.where(is_real, positions, 0).to(self.device),
+            meta,
+            logits_indices.to(self.device),
+            len(seqs),
+        )
+
+    def packed(self, seqs: list[Sequence], new_tokens: list[int]) -> ForwardInputs:
+        """Each sequence's next ``new_tokens`` past its cached ones, packed back to back in
+        one ``[1, T]`` row (eager CPU with per-row block tables): no padding, and decode
+        rows (one new token) ride in the same forward as prompt chunks. Every token is a
+        row of the paged-attention kernel with its sequence's table and the keys up to
+        itself."""
+        block = self.block_size
+        starts = [s.num_computed_tokens for s in seqs]
+        ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, new_tokens):
+            ids += seq.all_token_ids[start : start + n]
+        width = max(-(-(c + n) // block) for c, n in zip(starts, new_tokens))
+        tables = torch.full((len(seqs), width), self.pad_block_id, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            table = seq.block_table[:width]
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        lens = torch.tensor(new_tokens)
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+        first = torch.cumsum(lens, 0) - lens  # each sequence's first token in the row
+        positions = torch.arange(len(ids)) - first[owner] + torch.tensor(starts)[owner]
+        token_tables = tables[owner]
+        slots = (token_tables.gather(1, (positions // block).unsqueeze(1)).squeeze(1).long()
+                 * block + positions % block)
+        dev = self.device
+        meta = AttentionMetadata(True, block, slots.to(dev),
+                                 block_tables=token_tables.to(dev),
+                                 seq_lens=(positions + 1).to(torch.int32).to(dev),
+                                 has_context=any(starts), packed=len(seqs) > 1)
+        return ForwardInputs(
+            torch.tensor(ids).view(1, -1).to(dev),
+            positions.view(1, -1).to(dev),
+            meta,
+            (torch.cumsum(lens, 0) - 1).to(dev),
+            len(seqs),
+        )
+
+    def decode(
+        self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
+    ) -> ForwardInputs:
+        """Each sequence's last token; its KV blocks flattened into one block list."""
+        if self.decode_layout == "block_tables":
+            assert pad_to is None or pad_to[0] == len(seqs), "block tables are never padded"
+            return self._decode_tables(seqs)
+        block = self.block_size
+        positions = [s.num_tokens - 1 for s in seqs]
+        block_list = [b for s in seqs for b in s.block_table]
+        groups = [row for row, s in enumerate(seqs) for _ in s.block_table]
+        usage = []
+        starts = []  # each block's first position relative to its row's query (windows)
+        for seq, pos in zip(seqs, positions):
+            usage += [block] * (len(seq.block_table) - 1) + [pos % block + 1]
+            starts += range(-pos, len(seq.block_table) * block - pos, block)
+        bs, num_blocks = pad_to if pad_to is not None else (len(seqs), len(block_list))
+        pad_rows = bs - len(seqs)
+        pad_blocks = num_blocks - len(block_list)
+
+        token_ids = torch.tensor([s.last_token_id for s in seqs] + [0] * pad_rows)
+        pos_t = torch.tensor(positions + [0] * pad_rows)
+        slots = [s.block_table[p // block] * block + p % block for s, p in zip(seqs, positions)]
+        slots += [self.pad_block_id * block + i % block for i in range(pad_rows)]
+        block_list_t = torch.tensor(block_list + [self.pad_block_id] * pad_blocks)
+        groups_t = torch.tensor(groups + [bs] * pad_blocks)
+        usage_t = torch.tensor(usage + [1] * pad_blocks)
+        starts_t = torch.tensor(starts + [0] * pad_blocks)
+        block_bias = torch.where(
+            torch.arange(block).unsqueeze(0) < usage_t.unsqueeze(1), 0.0, _MASKED
+        )
+        # One-hot rows; pad blocks map to the extra column bs, which is then dropped.
+        mapping = torch.nn.functional.one_hot(groups_t, bs + 1)[:, :bs].to(self.dtype)
+        dev = self.device
+        meta = AttentionMetadata(
+            False,
+            block,
+            torch.tensor(slots).to(dev),
+            block_list=block_list_t.to(dev),
+            block_groups=groups_t.to(dev),
+            block_mapping=mapping.to(dev),
+            block_bias=block_bias.to(dev),
+            block_start=starts_t.to(dev),
+        )
+        return ForwardInputs(
+            token_ids.view(bs, 1).to(dev),
+            pos_t.view(bs, 1).to(dev),
+            meta,
+            torch.arange(bs).to(dev),
+            len(seqs),
+        )
+
+    def _decode_tables(self, seqs: list[Sequence]) -> ForwardInputs:
+        """Each sequence's last token with its own block table; nothing padded (eager CPU)."""
+        block = self.block_size
+        bs = len(seqs)
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [self.pad_block_id] * (width - len(s.block_table))
+                  for s in seqs]
+        lens = [s.num_tokens for s in seqs]
+        slots = [s.block_table[(n - 1) // block] * block + (n - 1) % block
+                 for s, n in zip(seqs, lens)]
+        dev = self.device
+        meta = AttentionMetadata(
+            False, block, torch.tensor(slots, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        )
+        return ForwardInputs(
+            torch.tensor([s.last_token_id for s in seqs], device=dev).view(bs, 1),
+            torch.tensor([n - 1 for n in lens], device=dev).view(bs, 1),
+            meta,
+            torch.arange(bs, device=dev),
+            bs,
+        )
+
+    # warmup: shapes without requests
+
+    def dummy(self, phase: Phase, bucket: Bucket) -> ForwardInputs:
+        """Inputs of exactly a bucket's shape, every write landing in the padding block."""
+        bs, q, blocks = bucket
+        block = self.block_size
+        pad = self.pad_block_id
+        if phase is Phase.PROMPT:
+            context = blocks * block  # tokens the queries follow in the cache
+            seqs = [dummy_seq(context + q, [pad] * (blocks + -(-q // block)))
+                    for _ in range(bs)]
+            for seq in seqs:
+                seq.num_computed_tokens = context
+            return self.prefill(seqs, pad_to=(bs, q), ctx_blocks=blocks)
+        # Spread the bucket's blocks over its rows; every row has at least one.
+        per_row = [blocks // bs + (1 if i < blocks % bs else 0) for i in range(bs)]
+        seqs = [dummy_seq(n * block, [pad] * n) for n in per_row if n > 0]
+        return self.decode(seqs, pad_to=(bs, blocks))
+
+
+def dummy_seq(num_tokens: int, block_table: list[int],
+              params: SamplingParams | None = None) -> Sequence:
+    """A stand-in sequence for shapes without requests (warmup): with the padding block in
+    its table, everything it writes lands there."""
+    seq = Sequence(-1, "warmup", 0, [0] * num_tokens, params or SamplingParams(), 0.0)
+    seq.block_table = block_table
+    return seq

@@ -1,0 +1,277 @@
+"""The model's device resources, and one step on them: batch -> padded tensors -> model
+-> sampler.
+
+:class:`ModelRunner` is built once from the config: it prepares the loaded weights for the
+platform (layer ops, packed or quantized linears), sizes and allocates the KV cache, picks
+the graph runner of the execution mode and the bucket shapes, and warms them up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.config import EngineConfig, SchedulerLimits
+from server.engine.core.block_manager import blocks_for
+from server.engine.core.sequence import ScheduledBatch, Sequence
+from server.engine.outputs import ModelRunnerOutput
+from server.engine.sampling_params import SamplingParams
+from server.engine.worker.input_builder import InputBuilder, dummy_seq
+from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logprobs
+from server.hpu.buckets.adaptive import AdaptiveBuckets
+from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
+from server.hpu.buckets.plan import decode_buckets, format_plan, prompt_buckets, resolve_ranges
+from server.hpu.counters import DeviceCounters
+from server.hpu.distributed import SINGLE, ParallelContext
+from server.hpu.graph_runner import ForwardInputs
+from server.hpu.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
+from server.hpu.layer_ops import TorchLayerOps
+from server.hpu.platform import Platform
+from server.hpu.types import Bucket, Phase
+from server.hpu.warmup import WarmupHooks, run_warmup
+from server.models.llama import LlamaForCausalLM
+from server.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+class ModelForward:
+    """What graphs are made of: padded inputs -> float32 logits ``[bs, vocab]`` of each
+    row's last token, padding rows included. A pure function of tensors (the KV cache is
+    updated in place), so it can be compiled or captured per bucket."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+
+    def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.logits_indices)
+        return self.model.compute_logits(hidden)
+
+
+class ModelRunner:
+    """Owns the model, its KV cache, its graphs and the sampler, for one platform."""
+
+    def __init__(self, config: EngineConfig, platform: Platform, loaded: LoadedModel,
+                 limits: SchedulerLimits, eos_token_ids: frozenset[int], model_name: str,
+                 cache_dir: Path,
+                 int4_weights: Callable[[], Mapping[str, Any]] | None = None,
+                 parallel: ParallelContext = SINGLE) -> None:
+        self.platform = platform
+        self.model = loaded.model
+        self.dtype = loaded.dtype
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = loaded.config.vocab_size
+        self.block_size = config.cache.block_size
+        self.counters = DeviceCounters(model_name)
+        mode = platform.resolve_mode(config.device)
+        ops = platform.prepare_model(loaded.model, mode, config.device, int4_weights, cache_dir)
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, loaded.dtype)
+        cfg = loaded.config
+        # a window as long as the served context masks nothing: full attention serves it
+        window = cfg.min_window if (cfg.min_window or 0) < limits.max_model_len else None
+        partial_rotary = cfg.rotary_dim is not None and cfg.rotary_dim < cfg.head_dim
+        if not ops.can_serve(self.kv_dtype, cfg.attn_softcap, window, partial_rotary):
+            needs = [f"a {str(self.kv_dtype).replace('torch.', '')} KV cache"]
+            needs += ["soft-capped attention"] if cfg.attn_softcap else []
+            needs += [f"a {window}-token sliding window"] if window else []
+            needs += ["partial rotary embeddings"] if partial_rotary else []
+            logger.info("Layer ops: PyTorch (%s cannot serve all of: %s)", ops.name,
+                        ", ".join(needs))
+            ops = TorchLayerOps()
+        loaded.model.serve_context(limits.max_model_len)
+        loaded.model.use_ops(ops)
+        # every rank must hold the same blocks (rank 0's block tables address them all)
+        self.num_blocks = parallel.min_int(self._num_blocks(config, loaded, limits))
+        self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
+            cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+            self.kv_dtype, platform.device))
+        self.kv_cache_bytes = sum(t.numel() * t.element_size()
+                                  for layer in self.kv_caches for t in layer)
+        self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
+                                   self.kv_cache_bytes)
+        self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
+                                   loaded.dtype, ops.decode_layout)
+        self.graphs = platform.graph_runner(mode, ModelForward(loaded.model, self.kv_caches),
+                                            self.counters, loaded.model, config.device)
+        self.sampler = Sampler(ops.argmax)
+        # Eager with per-row block tables: a prefill's tokens are packed back to back with
+        # no padding, and decodes can ride in the same forward as prompt chunks (one
+        # forward per step, the decode rows inside the chunk's large matmuls). Graphs and
+        # the reference ops keep the padded [bs, q] grid of the buckets.
+        self.packs_tokens = not self.graphs.needs_warmup and ops.decode_layout == "block_tables"
+        self.warmup_config = config.warmup
+        self.token_budget = limits.max_num_batched_tokens
+        ranges = resolve_ranges(
+            config.bucketing, block_size=self.block_size, max_model_len=limits.max_model_len,
+            max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=self.token_budget,
+            num_blocks=self.num_blocks,
+            with_context=limits.chunked_prefill or config.cache.enable_prefix_caching)
+        # Padding only pays where shapes are compiled or captured; plain eager PyTorch
+        # would just compute the padding.
+        self.shapes: ShapePlanner | None = None
+        if ranges.enabled and self.graphs.needs_warmup:
+            self.shapes = ShapePlanner(prompt_buckets(ranges), decode_buckets(ranges),
+                                       self.counters)
+            for line in format_plan(ranges).splitlines():
+                logger.info("%s", line)
+        self.adaptive: AdaptiveBuckets | None = None
+        if self.shapes is not None and config.bucketing.adaptive:
+            b = config.bucketing
+            self.adaptive = AdaptiveBuckets(
+                self.shapes, self.counters, self.block_size,
+                {"max_model_len": limits.max_model_len,
+                 "max_num_batched_tokens": self.token_budget},
+                interval=b.adaptive_interval, min_saving=b.adaptive_min_saving,
+                max_added=b.adaptive_max_added)
+        self._free_after_warmup = 0
+        self.counters.observed.describe(
+            block_size=self.block_size,
+            limits={"max_model_len": limits.max_model_len, "max_num_seqs": limits.max_num_seqs,
+                    "max_num_batched_tokens": self.token_budget, "num_blocks": self.num_blocks},
+            plan=self.shapes.buckets if self.shapes is not None else None,
+            static_shapes=self.graphs.needs_warmup)
+
+    @property
+    def pad_block_id(self) -> int:
+        return self.inputs.pad_block_id
+
+    def prefill_fits(self, num_seqs: int, max_tokens: int) -> bool:
+        """Whether a prefill of this many sequences, the longest ``max_tokens`` long, still
+        has a bucket within the step's token budget once padded."""
+        return self.shapes is None or self.shapes.prefill_fits(num_seqs, max_tokens,
+                                                               self.token_budget)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch,
+                token_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
+        """One step: ``token_bitmask`` (structured outputs, ``[rows, words]``) restricts
+        the tokens each row may sample."""
+        seqs = batch.seqs
+        phase = batch.phase
+        new_tokens = [batch.new_tokens(row) for row in range(len(seqs))]
+        bucket = self._bucket(phase, seqs, new_tokens)
+        pad_to = padded_size(phase, bucket)
+        if phase is Phase.PROMPT and self.packs_tokens:
+            inputs = self.inputs.packed(seqs, new_tokens)
+        elif phase is Phase.PROMPT:
+            # with graphs the bucket fixes the context width (and whether there is one);
+            # eager execution follows the data
+            inputs = self.inputs.prefill(seqs, pad_to, new_tokens,
+                                         bucket[2] if self.graphs.needs_warmup else None)
+        else:
+            inputs = self.inputs.decode(seqs, pad_to)
+        self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
+        logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
+        rows = batch.sampling_rows  # a prompt chunk short of its end samples nothing
+        if not rows:
+            return ModelRunnerOutput([], [])
+        sampled = [seqs[row] for row in rows]
+        if len(rows) < len(seqs):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        sampling = SamplingTensors.build(sampled, self.vocab_size, self.eos_token_ids,
+                                         self.platform.device, token_bitmask)
+        out = self.sampler(logits, sampling)
+        self.graphs.sync("sampler")
+        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled))
+
+    def _bucket(self, phase: Phase, seqs: list[Sequence], new_tokens: list[int]) -> Bucket:
+        """The planned bucket that holds the batch, or its exact shape when bucketing is off
+        or the batch fits no bucket (then counted as a miss)."""
+        ctx = 0
+        if phase is Phase.PROMPT:
+            bs, size = len(seqs), max(new_tokens)
+            ctx = max(-(-s.num_computed_tokens // self.block_size) for s in seqs)
+        else:
+            bs, size = len(seqs), sum(len(s.block_table) for s in seqs)
+        # every step's unpadded shape, bucketing on or off: the traffic a plan is fitted to
+        self.counters.observed.record(phase, exact_bucket(phase, bs, size, ctx),
+                                      sum(new_tokens))
+        if self.shapes is None:
+            return exact_bucket(phase, bs, size, ctx)
+        return self.shapes.pad(phase, bs, size, ctx)
+
+    def warmup(self) -> float:
+        """Runs (compiles / captures) every planned bucket and the sampler before serving;
+        returns the seconds spent."""
+        buckets = self.shapes.buckets if self.shapes is not None else {p: [] for p in Phase}
+        hooks = WarmupHooks(self.inputs.dummy, self.warm_sampler,
+                            lambda: self.platform.free_memory_bytes()[0])
+        logger.info("Execution mode: %s", self.graphs.description)
+        with torch.inference_mode():
+            seconds = run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+        self._free_after_warmup = self.platform.free_memory_bytes()[0]
+        return seconds
+
+    def between_steps(self) -> None:
+        """Adaptive bucketing: maybe warm one more bucket. Called by the engine between
+        steps (never inside one), so no request's step waits on a half-built graph."""
+        if self.adaptive is None:
+            return
+        found = self.adaptive.propose()
+        if found is None:
+            return
+        phase, bucket = found
+        capture = self.graphs.captures_graphs and self._graph_memory_to_spare()
+        if self.graphs.captures_graphs and not capture:
+            # graph memory spent: a bucket that cannot be captured is not worth a stall
+            return
+        stage, self.counters.stage = self.counters.stage, "warmup"  # counted as warmup
+        began = time.monotonic()
+        try:
+            with torch.inference_mode():
+                self.graphs.warm(phase, bucket, self.inputs.dummy(phase, bucket))
+                if capture:
+                    self.graphs.capture(phase, bucket, self.inputs.dummy(phase, bucket))
+        finally:
+            self.counters.stage = stage
+        self.counters.observed.warmed(phase, bucket, time.monotonic() - began)
+        self.adaptive.added(phase, bucket)
+
+    def _graph_memory_to_spare(self) -> bool:
+        """Graphs added while serving may use another VLLM_GRAPH_RESERVED_MEM share of the
+        memory that was free after warmup, no more (the KV cache and activations need it)."""
+        free = self.platform.free_memory_bytes()[0]
+        floor = self._free_after_warmup * (1 - self.warmup_config.graph_reserved_mem)
+        return free > 0 and free >= floor
+
+    def warm_sampler(self, bs: int, config: tuple[float, float, int]) -> None:
+        """Runs the sampler on random logits with one of the reference's configurations."""
+        temperature, top_p, top_k = config
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k or -1,
+                                max_tokens=1)
+        seqs = [dummy_seq(1, [], params) for _ in range(bs)]
+        logits = torch.randn(bs, self.vocab_size, device=self.platform.device)
+        with torch.inference_mode():
+            self.sampler(logits, SamplingTensors.build(seqs, self.vocab_size,
+                                                       self.eos_token_ids, self.platform.device))
+
+    def _num_blocks(self, config: EngineConfig, loaded: LoadedModel,
+                    limits: SchedulerLimits) -> int:
+        cache = config.cache
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        cfg = loaded.config
+        per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                       cache.block_size, self.kv_dtype)
+        per_seq = blocks_for(limits.max_model_len, cache.block_size)
+        # No use holding more than every sequence at full length.
+        return num_kv_blocks(self.platform.kv_cache_budget_bytes(cache), per_block,
+                             limits.max_num_seqs * per_seq, per_seq)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype``: ``auto`` keeps the model's dtype; ``fp8`` / ``fp8_e4m3`` store
+    float8 e4m3 (unscaled, as vLLM does without calibrated scales: K/V values of these models
+    sit well inside its +-448 range)."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"--kv-cache-dtype {name!r}: auto, fp8 or fp8_e4m3")

@@ -1,0 +1,276 @@
+"""Batched token sampling: logit processors, top-k/top-p/min-p, seeded noise, logprobs.
+
+Everything is vectorised over the batch; the only per-row Python loop draws noise for rows
+with their own seed (a per-request generator is what makes them batch-invariant). Nothing
+here syncs with the host, so it can sit inside a captured graph later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.outputs import TokenLogprob
+from server.engine.core.sequence import Sequence
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-step sampling settings of a batch as device tensors (built once per step)."""
+
+    temperature: torch.Tensor  # [B] float32, greedy rows hold 1.0
+    is_greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [B] float32; None if no row uses it
+    min_p: torch.Tensor | None  # [B] float32; None if no row uses it
+    # penalties, None when every row has the defaults
+    presence: torch.Tensor | None  # [B, 1]
+    frequency: torch.Tensor | None  # [B, 1]
+    repetition: torch.Tensor | None  # [B, 1]
+    output_ids: torch.Tensor | None  # [B, Lout] padded with vocab_size
+    prompt_ids: torch.Tensor | None  # [B, Lprompt] padded with vocab_size
+    # sparse additive biases (logit_bias, and -inf for EOS/stop ids under min_tokens)
+    bias_rows: torch.Tensor | None
+    bias_cols: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    generators: list[torch.Generator | None]
+    num_logprobs: int  # K = max requested top logprobs; -1 when no row wants logprobs
+    # [B, ceil(V / 32)] int32 of allowed tokens (structured outputs); None: no row guided
+    token_bitmask: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        seqs: Seq[Sequence],
+        vocab_size: int,
+        eos_token_ids: set[int] | frozenset[int],
+        device: torch.device,
+        token_bitmask: torch.Tensor | None = None,
+    ) -> SamplingTensors:
+        params = [s.params for s in seqs]
+        greedy = [p.temperature == 0.0 for p in params]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        # beyond the vocabulary top-k keeps everything (vLLM's reading), as disabled does
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        use_penalties = any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+            for p in params
+        )
+        rows, cols, values = _sparse_biases(seqs, eos_token_ids)
+        wants = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=floats([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            top_k=(torch.tensor(top_k, device=device)
+                   if any(k < vocab_size for k in top_k) else None),
+            top_p=floats([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
+            min_p=floats([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+            presence=floats([p.presence_penalty for p in params]).unsqueeze(1)
+            if use_penalties else None,
+            frequency=floats([p.frequency_penalty for p in params]).unsqueeze(1)
+            if use_penalties else None,
+            repetition=floats([p.repetition_penalty for p in params]).unsqueeze(1)
+            if use_penalties else None,
+            output_ids=_padded([s.output_token_ids for s in seqs], vocab_size, device)
+            if use_penalties else None,
+            prompt_ids=_padded([s.prompt_token_ids for s in seqs], vocab_size, device)
+            if use_penalties else None,
+            bias_rows=torch.tensor(rows, dtype=torch.long, device=device) if rows else None,
+            bias_cols=torch.tensor(cols, dtype=torch.long, device=device) if rows else None,
+            bias_values=floats(values) if rows else None,
+            generators=[_generator(s, device) for s in seqs],
+            num_logprobs=max(wants) if wants else -1,
+            token_bitmask=token_bitmask,
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32 logprob of each sampled token
+    top_ids: torch.Tensor | None  # [B, K] int64
+    top_logprobs: torch.Tensor | None  # [B, K] float32
+
+
+class Sampler:
+    """Logits ``[B, V]`` -> one token per row, plus logprobs when asked.
+
+    ``argmax`` is swappable: the model runner plugs in its layer ops' (the fused CPU kernel,
+    where PyTorch's CPU argmax is a scalar loop; the same answer, ties to the first index).
+    """
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.argmax = argmax or _torch_argmax
+
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        logits = logits.float()
+        guided = None
+        if t.token_bitmask is not None:  # first: the logprobs reported are the masked ones
+            logits = guided = apply_bitmask(logits, t.token_bitmask)
+        if t.bias_rows is not None:
+            logits = logits.index_put((t.bias_rows, t.bias_cols), t.bias_values, accumulate=True)
+            if guided is not None:
+                # min_tokens can forbid the only tokens a grammar allows (its end): the
+                # grammar wins, rather than a row with nothing left to sample
+                dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+                logits = torch.where(dead, guided, logits)
+        if t.presence is not None:
+            logits = apply_penalties(logits, t)
+        logprobs = torch.log_softmax(logits, dim=-1) if t.num_logprobs >= 0 else None
+        token_ids = self._sample(logits, t)
+        if logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        top_logprobs, top_ids = logprobs.topk(t.num_logprobs, dim=-1)
+        return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        greedy_ids = self.argmax(logits)
+        if t.all_greedy:
+            return greedy_ids
+        logits = logits / t.temperature.unsqueeze(1)
+        if t.top_k is not None:
+            logits = _apply_top_k(logits, t.top_k)
+        if t.top_p is not None:
+            logits = _apply_top_p(logits, t.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if t.min_p is not None:
+            keep = probs >= t.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs * keep
+        sampled = _inverse_cdf_sample(probs, t.generators)
+        return torch.where(t.is_greedy, greedy_ids, sampled)
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """vLLM's rules: repetition over prompt + output (divide positive logits, multiply
+    negative ones), frequency and presence over output tokens only."""
+    assert t.output_ids is not None and t.prompt_ids is not None
+    batch, vocab = logits.shape
+    output_counts = _counts(t.output_ids, batch, vocab)
+    seen = (_counts(t.prompt_ids, batch, vocab) + output_counts) > 0
+    rep = t.repetition.expand_as(logits)  # type: ignore[union-attr]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - t.frequency * output_counts  # type: ignore[operator]
+    return logits - t.presence * (output_counts > 0)  # type: ignore[operator]
+
+
+def to_token_logprobs(out: SamplerOutput, seqs: Seq[Sequence]) -> list[TokenLogprob | None]:
+    """Host-side conversion, one transfer per tensor."""
+    if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
+        return [None] * len(seqs)
+    ids = out.token_ids.tolist()
+    chosen = out.logprobs.tolist()
+    top_ids = out.top_ids.tolist()
+    top_lps = out.top_logprobs.tolist()
+    result: list[TokenLogprob | None] = []
+    for row, seq in enumerate(seqs):
+        k = seq.params.logprobs
+        if k is None:
+            result.append(None)
+            continue
+        top = list(zip(top_ids[row][:k], top_lps[row][:k]))
+        result.append(TokenLogprob(ids[row], chosen[row], top))
+    return result
+
+
+def _counts(ids: torch.Tensor, batch: int, vocab: int) -> torch.Tensor:
+    counts = torch.zeros(batch, vocab + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens before it already cover top_p; the first always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, _NEG_INF)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One uniform number per row, looked up in the row's CDF.
+
+    A token with zero probability has a flat CDF step and can never be hit. This draws one
+    random number per row where an exponential race (argmax p / E) draws one per vocabulary
+    entry: 16 rows x 49k vocab took 16 ms of noise against 0.4 ms here. No host sync, so it
+    can sit in a captured graph; seeded rows bring their own generator.
+    """
+    uniform = torch.rand(probs.shape[0], 1, device=probs.device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            uniform[row] = torch.rand(1, generator=gen, device=probs.device)
+    cdf = probs.cumsum(dim=-1)
+    target = uniform * cdf[:, -1:]  # the CDF's own total: no renormalisation pass needed
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return ids.clamp_max(probs.shape[1] - 1)
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
+                        device=device)
+
+
+def _sparse_biases(
+    seqs: Seq[Sequence], eos_token_ids: set[int] | frozenset[int]
+) -> tuple[list[int], list[int], list[float]]:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        for token_id, bias in (p.logit_bias or {}).items():
+            rows.append(row)
+            cols.append(int(token_id))
+            values.append(float(bias))
+        if seq.num_output_tokens < p.min_tokens:
+            blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            for token_id in blocked:
+                rows.append(row)
+                cols.append(token_id)
+                values.append(_NEG_INF)
+    return rows, cols, values
+
+
+def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
+    seed = seq.params.seed
+    if seed is None:
+        return None
+    if seq.generator is None:
+        # Completion i of an n>1 request needs its own stream; index 0 keeps the plain seed.
+        mixed = seed if seq.index == 0 else hash((seed, seq.index)) & ((1 << 63) - 1)
+        seq.generator = torch.Generator(device=device).manual_seed(mixed)
+    return seq.generator
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens to -inf: bit ``t % 32`` of word ``t // 32`` allows token ``t``.
+    Plain tensor ops, so it runs on whatever device the logits are on."""
+    rows, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device)[:rows]
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(rows, -1)[:, :vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
