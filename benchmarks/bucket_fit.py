@@ -48,7 +48,7 @@ from server.engine.sampling_params import SamplingParams  # noqa: E402
 from server.hpu.buckets.fit import KV_WEIGHT, Observed, WarmupModel, evaluate, suggest  # noqa: E402
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket  # noqa: E402
 from server.hpu.buckets.observed import ShapeStats  # noqa: E402
-from server.hpu.buckets.plan import decode_buckets, prompt_buckets, resolve_ranges  # noqa: E402
+from server.hpu.buckets.plan import decode_buckets, prefill_buckets, resolve_ranges  # noqa: E402
 from server.hpu.buckets.suggest import reference_plan  # noqa: E402
 from server.hpu.counters import DeviceCounters  # noqa: E402
 from server.hpu.types import Phase  # noqa: E402
@@ -87,7 +87,7 @@ def simulate(workload: str, n: int, seed: int) -> ShapeStats:
     ranges = resolve_ranges(BucketingConfig(), block_size=BLOCK, max_model_len=MAX_LEN,
                             max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET,
                             num_blocks=NUM_BLOCKS, with_context=True)
-    planner = ShapePlanner(prompt_buckets(ranges), decode_buckets(ranges),
+    planner = ShapePlanner(prefill_buckets(ranges), decode_buckets(ranges),
                            DeviceCounters("bench", CollectorRegistry()))
     limits = SchedulerLimits(MAX_SEQS, BUDGET, MAX_LEN, chunked_prefill=True,
                              context_prefill_alone=True)
@@ -112,9 +112,9 @@ def simulate(workload: str, n: int, seed: int) -> ShapeStats:
         for batch in batches:
             seqs = batch.seqs
             new = [batch.new_tokens(row) for row in range(len(seqs))]
-            if batch.phase is Phase.PROMPT:  # what ModelRunner._bucket records
+            if batch.phase is Phase.PREFILL:  # what ModelRunner._bucket records
                 ctx = max(-(-s.num_computed_tokens // BLOCK) for s in seqs)
-                shape = exact_bucket(Phase.PROMPT, len(seqs), max(new), ctx)
+                shape = exact_bucket(Phase.PREFILL, len(seqs), max(new), ctx)
                 now += 0.004 + len(seqs) * max(new) * 2e-5  # overhead + ~50k tokens/s
             else:
                 shape = exact_bucket(Phase.DECODE, len(seqs),
@@ -136,8 +136,8 @@ def simulate(workload: str, n: int, seed: int) -> ShapeStats:
 
 def synthetic_warmup(stats: ShapeStats, plan: dict[Phase, list]) -> None:
     """Gaudi-like warmup seconds for each bucket of ``plan`` (see the module docstring)."""
-    for b in plan[Phase.PROMPT]:
-        stats.warmed(Phase.PROMPT, b, 4.0 + b[0] * b[1] * 6e-4)
+    for b in plan[Phase.PREFILL]:
+        stats.warmed(Phase.PREFILL, b, 4.0 + b[0] * b[1] * 6e-4)
     for b in plan[Phase.DECODE]:
         stats.warmed(Phase.DECODE, b, 2.0 + b[0] * 0.01 + b[2] * 2e-3)
 

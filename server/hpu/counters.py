@@ -14,7 +14,7 @@ from server.hpu.buckets.observed import ShapeStats
 disable_created_metrics()
 
 # Step phases (server.hpu.types.Phase values) plus the sampler's own compilations.
-PHASES = ("prompt", "decode", "sampler")
+PHASES = ("prefill", "decode", "sampler")
 
 
 class DeviceCounters:

@@ -54,7 +54,7 @@ class GraphRunner(ABC):
     def __init__(self, forward: ForwardFn, counters: DeviceCounters) -> None:
         self.forward = forward
         self.counters = counters
-        self.warmed: dict[Phase, set[Bucket]] = {Phase.PROMPT: set(), Phase.DECODE: set()}
+        self.warmed: dict[Phase, set[Bucket]] = {Phase.PREFILL: set(), Phase.DECODE: set()}
 
     def warm(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
         """Compile one bucket before serving (running it once does that)."""
@@ -110,7 +110,7 @@ class CompiledRunner(GraphRunner):
             torch._dynamo.config.accumulated_cache_size_limit, max_shapes)
         self._backend = backend
         self.description = f"torch.compile ({backend})"
-        self._phase = Phase.PROMPT
+        self._phase = Phase.PREFILL
         if regions:
             # Regional compilation: identical layers share one compiled graph per shape, so
             # warmup compiles a layer, not the whole model, per bucket.

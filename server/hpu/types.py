@@ -14,7 +14,7 @@ class Phase(str, enum.Enum):
     The values are the label values of the ``phase`` Prometheus label and of the warmup log.
     """
 
-    PROMPT = "prompt"
+    PREFILL = "prefill"
     DECODE = "decode"
 
     def __str__(self) -> str:

@@ -19,7 +19,7 @@ from server.hpu.types import Bucket, Phase
 logger = logging.getLogger(__name__)
 
 GiB = float(1 << 30)
-_LABELS = {Phase.PROMPT: "Prompt", Phase.DECODE: "Decode"}
+_LABELS = {Phase.PREFILL: "Prompt", Phase.DECODE: "Decode"}
 
 # (temperature, top_p, top_k): the six sampler configurations of the reference, which runs
 # each with batch_changed True and False. They are logged as the reference logs them, but
@@ -106,12 +106,12 @@ def _capture_graphs(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
                     hooks: WarmupHooks, counters: DeviceCounters, cfg: WarmupConfig) -> None:
     free = hooks.free_memory()
     budget = free * cfg.graph_reserved_mem
-    budgets = {Phase.PROMPT: budget * cfg.graph_prompt_ratio,
+    budgets = {Phase.PREFILL: budget * cfg.graph_prompt_ratio,
                Phase.DECODE: budget * (1 - cfg.graph_prompt_ratio)}
     logger.info("Using %.2f GiB/%.2f GiB of free device memory for graphs, %.3f GiB for prompt "
                 "and %.3f GiB for decode (VLLM_GRAPH_PROMPT_RATIO=%s)", budget / GiB, free / GiB,
-                budgets[Phase.PROMPT] / GiB, budgets[Phase.DECODE] / GiB, cfg.graph_prompt_ratio)
-    strategies = {Phase.PROMPT: cfg.prompt_strategy, Phase.DECODE: cfg.decode_strategy}
+                budgets[Phase.PREFILL] / GiB, budgets[Phase.DECODE] / GiB, cfg.graph_prompt_ratio)
+    strategies = {Phase.PREFILL: cfg.prompt_strategy, Phase.DECODE: cfg.decode_strategy}
     for phase in Phase:
         label = _LABELS[phase]
         ordered = capture_order(buckets[phase], strategies[phase])

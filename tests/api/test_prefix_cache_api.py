@@ -50,8 +50,8 @@ def test_observed_shapes_behind_the_key(keyed_server) -> None:
     assert resp.status_code == 200, resp.text
     after = httpx.get(url + "/buckets/observed", headers=auth).json()
     assert after["format"] == "hpu-serve/observed-shapes/v1" and after["block_size"] == 16
-    prompt, decode = after["phases"]["prompt"], after["phases"]["decode"]
-    assert prompt["steps"] == before["phases"]["prompt"]["steps"] + 1
+    prompt, decode = after["phases"]["prefill"], after["phases"]["decode"]
+    assert prompt["steps"] == before["phases"]["prefill"]["steps"] + 1
     assert [1, 37, 0] in [s[:3] for s in prompt["shapes"]]  # (bs, query, ctx blocks)
     # 3 decode steps of one sequence, 3 KV blocks (37..40 tokens)
     assert decode["steps"] == before["phases"]["decode"]["steps"] + 3

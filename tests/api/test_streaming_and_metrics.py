@@ -108,7 +108,7 @@ def test_metrics_counters_match_usage(server) -> None:
     assert delta("vllm:request_generation_tokens_sum") == 3 + 4 + 5
     assert delta("hpu_serve:real_tokens_total{phase=decode}") == sum(
         u["completion_tokens"] - 1 for u in usages)
-    assert delta("hpu_serve:padded_tokens_total{phase=prompt}") >= sum(
+    assert delta("hpu_serve:padded_tokens_total{phase=prefill}") >= sum(
         u["prompt_tokens"] for u in usages)
     assert after["hpu_serve:graph_compilations_total{phase=decode,stage=serving}"] == 0
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",

@@ -97,9 +97,9 @@ def test_decodes_go_on_while_a_long_prompt_is_chunked(tiny_model, kernels: bool)
     # the decode first, then a chunk in the budget left over (47 tokens), ending on a
     # block boundary (32) unless the rest fits (40 <= 47)
     if kernels:
-        assert steps == [[(Phase.PROMPT, ["short", "long"], [1, n])] for n in chunks]
+        assert steps == [[(Phase.PREFILL, ["short", "long"], [1, n])] for n in chunks]
     else:
-        assert steps == [[(Phase.DECODE, ["short"], [1]), (Phase.PROMPT, ["long"], [n])]
+        assert steps == [[(Phase.DECODE, ["short"], [1]), (Phase.PREFILL, ["long"], [n])]
                          for n in chunks]
     short_seq, long_seq = engine.scheduler.running
     assert long_seq.request_id == "long" and long_seq.num_output_tokens == 1

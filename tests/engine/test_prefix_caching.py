@@ -96,4 +96,4 @@ def test_compile_mode_caches_through_context_buckets(tiny_model, tmp_path) -> No
     assert llm.engine.stats().prefix_cache_hits == 48  # (1, 16, 4): 3 new tokens after 3 blocks
     assert counters.compilations(stage="serving") == 0
     assert sum(counters._misses.labels(counters.model_name, p)._value.get()
-               for p in ("prompt", "decode")) == 0
+               for p in ("prefill", "decode")) == 0

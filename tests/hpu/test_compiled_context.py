@@ -36,8 +36,8 @@ def test_context_buckets_warm_then_serve_without_compiling(engines) -> None:
     assert engine.runner.graphs.mode is ExecutionMode.COMPILE
     assert engine.limits.chunked_prefill and engine.limits.context_prefill_alone
     planned = engine.runner.shapes.buckets
-    assert (1, 32, 7) in planned[Phase.PROMPT]
-    assert counters.compilations(stage="warmup") == len(planned[Phase.PROMPT]) + len(
+    assert (1, 32, 7) in planned[Phase.PREFILL]
+    assert counters.compilations(stage="warmup") == len(planned[Phase.PREFILL]) + len(
         planned[Phase.DECODE])
     rng = random.Random(1)
     vocab = engine.model_config.vocab_size
@@ -60,7 +60,7 @@ def test_context_buckets_warm_then_serve_without_compiling(engines) -> None:
         [r.outputs[0].token_ids for r in results_e]
     assert counters.compilations(stage="serving") == 0
     assert sum(counters._misses.labels(counters.model_name, p)._value.get()
-               for p in ("prompt", "decode")) == 0
+               for p in ("prefill", "decode")) == 0
     stats = engine.stats()
     assert stats.prefix_cache_hits > 0  # cached prefixes ran in context buckets
     assert stats.num_free_blocks == stats.num_blocks

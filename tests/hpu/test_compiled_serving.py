@@ -32,7 +32,7 @@ def test_zero_compilations_after_warmup_and_eager_parity(engines) -> None:
     assert compiled.engine.runner.graphs.mode is ExecutionMode.COMPILE
     # every planned bucket was compiled exactly once during warmup (layers share one graph)
     planned = compiled.engine.runner.shapes.buckets
-    assert counters.compilations(stage="warmup") == len(planned["prompt"]) + len(planned["decode"])
+    assert counters.compilations(stage="warmup") == len(planned["prefill"]) + len(planned["decode"])
     assert counters.compilations(stage="serving") == 0
     rng = random.Random(0)
     vocab = compiled.engine.model_config.vocab_size
@@ -52,7 +52,7 @@ def test_zero_compilations_after_warmup_and_eager_parity(engines) -> None:
     assert counters.compilations(stage="serving") == 0
     assert [r.outputs[0].token_ids for r in results_c] == [r.outputs[0].token_ids for r in results_e]
     assert sum(compiled.engine.counters._misses.labels(counters.model_name, p)._value.get()
-               for p in ("prompt", "decode")) == 0
+               for p in ("prefill", "decode")) == 0
 
 
 def test_guided_and_unguided_requests_mixed_cause_no_compilation(engines) -> None:
@@ -89,7 +89,7 @@ def test_guided_and_unguided_requests_mixed_cause_no_compilation(engines) -> Non
 def test_batch_beyond_buckets_is_counted_and_correct(engines) -> None:
     compiled, eager = engines
     counters = compiled.engine.counters
-    misses = counters._misses.labels(counters.model_name, "prompt")
+    misses = counters._misses.labels(counters.model_name, "prefill")
     before = misses._value.get()
     prompt = list(range(5, 105))  # 100 tokens: beyond the largest prompt bucket (64)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

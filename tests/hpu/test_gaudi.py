@@ -173,7 +173,7 @@ def test_a_wrong_bridge_call_is_caught(standin, old: str, new: str, function: st
     with pytest.raises(TypeError, match=function.replace(".", r"\.")):
         runner = gaudi.HpuLazyRunner(lambda inputs: torch.zeros(1), DeviceCounters("m"),
                                      use_graphs=True)
-        runner.warm(Phase.PROMPT, (1, 16, 0), dummy_inputs(1, 16))
+        runner.warm(Phase.PREFILL, (1, 16, 0), dummy_inputs(1, 16))
 
 
 def test_graph_inputs_must_be_hashable_and_reachable(standin) -> None:

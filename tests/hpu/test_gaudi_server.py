@@ -57,7 +57,7 @@ def test_serve_on_hpu_with_the_image_environment(tiny_model, tmp_path: Path) -> 
     assert "[Warmup][Prompt][1/3] batch_size:1 seq_len:64" in log
     assert "Graph/Prompt captured:3 (100.0%)" in log
     assert "Graph/Decode captured:8 (100.0%)" in log  # (1, 1, 16) is capped to (1, 1, 8)
-    for phase, planned in (("prompt", 3), ("decode", 8)):
+    for phase, planned in (("prefill", 3), ("decode", 8)):
         for state in ("planned", "captured"):
             assert counter(metrics, "hpu_serve:warmup_buckets", phase=phase, state=state) \
                 == planned

@@ -12,7 +12,7 @@ from server.hpu.types import Bucket, Phase
 from server.hpu.warmup import SAMPLER_CONFIGS, WarmupHooks, distinct_sampler_paths, run_warmup
 
 GiB = 1 << 30
-BUCKETS = {Phase.PROMPT: [(1, 128, 0), (2, 128, 0), (1, 256, 0)],
+BUCKETS = {Phase.PREFILL: [(1, 128, 0), (2, 128, 0), (1, 256, 0)],
            Phase.DECODE: [(1, 1, 4), (2, 1, 8), (4, 1, 16), (8, 1, 32)]}
 
 
@@ -55,7 +55,7 @@ def test_buckets_warmed_then_captured_within_the_budget() -> None:
     cfg = WarmupConfig(graph_reserved_mem=0.5, graph_prompt_ratio=0.3)
     run_warmup(BUCKETS, runner, hooks(memory, sampled), runner.counters, cfg)
     assert sorted(runner.ran) == sorted((p, b) for p in Phase for b in BUCKETS[p])
-    assert sorted(b for p, b in runner.captured if p is Phase.PROMPT) == sorted(BUCKETS[Phase.PROMPT])
+    assert sorted(b for p, b in runner.captured if p is Phase.PREFILL) == sorted(BUCKETS[Phase.PREFILL])
     decode = [b for p, b in runner.captured if p is Phase.DECODE]
     assert decode == [(8, 1, 32), (4, 1, 16), (2, 1, 8), (1, 1, 4)]  # max_bs: largest first
     assert runner.can_replay(Phase.DECODE, (8, 1, 32))

@@ -124,7 +124,7 @@ class Scheduler:
         if self.fuse_decodes and decode is not None and decode.seqs and len(chunks) == 1:
             prompt = chunks[0]
             assert prompt.num_new_tokens is not None
-            return [ScheduledBatch(Phase.PROMPT, decode.seqs + prompt.seqs, decode.preempted,
+            return [ScheduledBatch(Phase.PREFILL, decode.seqs + prompt.seqs, decode.preempted,
                                    [1] * len(decode.seqs) + prompt.num_new_tokens)]
         return ([decode] if decode is not None else []) + chunks
 
@@ -187,7 +187,7 @@ class Scheduler:
             return None
         for seq in seqs:
             bisect.insort(self.running, seq, key=self._order)
-        return ScheduledBatch(Phase.PROMPT, seqs)
+        return ScheduledBatch(Phase.PREFILL, seqs)
 
     def _schedule_chunks(self, budget: int) -> list[ScheduledBatch]:
         """Prompt chunks within ``budget`` tokens: the prompts already started first (in
@@ -200,7 +200,7 @@ class Scheduler:
 
         def add(seq: Sequence, chunk: int, has_context: bool) -> None:
             if has_context and self.limits.context_prefill_alone:
-                alone.append(ScheduledBatch(Phase.PROMPT, [seq], num_new_tokens=[chunk]))
+                alone.append(ScheduledBatch(Phase.PREFILL, [seq], num_new_tokens=[chunk]))
             else:
                 seqs.append(seq)
                 chunks.append(chunk)
@@ -240,7 +240,7 @@ class Scheduler:
         for seq in admitted:
             bisect.insort(self.running, seq, key=self._order)
         if seqs:
-            alone.append(ScheduledBatch(Phase.PROMPT, seqs, num_new_tokens=chunks))
+            alone.append(ScheduledBatch(Phase.PREFILL, seqs, num_new_tokens=chunks))
         return alone
 
     def _chunk(self, remaining: int, budget: int) -> int:

@@ -220,7 +220,7 @@ class InputBuilder:
         bs, q, blocks = bucket
         block = self.block_size
         pad = self.pad_block_id
-        if phase is Phase.PROMPT:
+        if phase is Phase.PREFILL:
             context = blocks * block  # tokens the queries follow in the cache
             seqs = [dummy_seq(context + q, [pad] * (blocks + -(-q // block)))
                     for _ in range(bs)]

@@ -25,7 +25,7 @@ from server.engine.worker.input_builder import InputBuilder, dummy_seq
 from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.hpu.buckets.adaptive import AdaptiveBuckets
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
-from server.hpu.buckets.plan import decode_buckets, format_plan, prompt_buckets, resolve_ranges
+from server.hpu.buckets.plan import decode_buckets, format_plan, prefill_buckets, resolve_ranges
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ForwardInputs
@@ -117,7 +117,7 @@ class ModelRunner:
         # would just compute the padding.
         self.shapes: ShapePlanner | None = None
         if ranges.enabled and self.graphs.needs_warmup:
-            self.shapes = ShapePlanner(prompt_buckets(ranges), decode_buckets(ranges),
+            self.shapes = ShapePlanner(prefill_buckets(ranges), decode_buckets(ranges),
                                        self.counters)
             for line in format_plan(ranges).splitlines():
                 logger.info("%s", line)
@@ -158,9 +158,9 @@ class ModelRunner:
         new_tokens = [batch.new_tokens(row) for row in range(len(seqs))]
         bucket = self._bucket(phase, seqs, new_tokens)
         pad_to = padded_size(phase, bucket)
-        if phase is Phase.PROMPT and self.packs_tokens:
+        if phase is Phase.PREFILL and self.packs_tokens:
             inputs = self.inputs.packed(seqs, new_tokens)
-        elif phase is Phase.PROMPT:
+        elif phase is Phase.PREFILL:
             # with graphs the bucket fixes the context width (and whether there is one);
             # eager execution follows the data
             inputs = self.inputs.prefill(seqs, pad_to, new_tokens,
@@ -185,7 +185,7 @@ class ModelRunner:
         """The planned bucket that holds the batch, or its exact shape when bucketing is off
         or the batch fits no bucket (then counted as a miss)."""
         ctx = 0
-        if phase is Phase.PROMPT:
+        if phase is Phase.PREFILL:
             bs, size = len(seqs), max(new_tokens)
             ctx = max(-(-s.num_computed_tokens // self.block_size) for s in seqs)
         else:

@@ -92,7 +92,7 @@ class AdaptiveBuckets:
                 cand = self._rounded(phase, shape)
                 if cand is None or cand in buckets:
                     continue
-                rows = (landed[0] * landed[1] - cand[0] * cand[1] if phase is Phase.PROMPT
+                rows = (landed[0] * landed[1] - cand[0] * cand[1] if phase is Phase.PREFILL
                         else landed[0] - cand[0])
                 kv = self.kv_weight * self.block_size * (landed[2] - cand[2])
                 waste.append((n * (rows + kv), cand))

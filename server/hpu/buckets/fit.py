@@ -84,7 +84,7 @@ class Observed:
         shapes: dict[Phase, dict[Bucket, int]] = {p: {} for p in Phase}
         for p in Phase:
             for bs, q, ctx, n in phases[str(p)]["shapes"]:
-                if p is Phase.PROMPT and ctx and bs > 1:
+                if p is Phase.PREFILL and ctx and bs > 1:
                     # an eager engine batches prefills after a context; graphs run each
                     # alone (bs 1): count them as that many steps of the batch's extent
                     bs, n = 1, n * bs
@@ -130,7 +130,7 @@ class WarmupModel:
 
 
 def _work(phase: Phase, b: Bucket) -> int:
-    return b[0] * b[1] if phase is Phase.PROMPT else b[0] * b[2]
+    return b[0] * b[1] if phase is Phase.PREFILL else b[0] * b[2]
 
 
 @dataclass(slots=True)
@@ -177,7 +177,7 @@ def evaluate(obs: Observed, plan: Mapping[Phase, Sequence[Bucket]],
 
 
 def _tokens(phase: Phase, b: Bucket) -> int:
-    return b[0] * b[1] if phase is Phase.PROMPT else b[0]
+    return b[0] * b[1] if phase is Phase.PREFILL else b[0]
 
 
 def optimal_cuts(values: Sequence[int], weights: Sequence[float], max_k: int
@@ -250,13 +250,13 @@ def _groups(obs: Observed, kv_weight: float, cover_limits: bool,
     if lim.get("num_blocks"):
         blocks_top = min(blocks_top, 3 * lim["num_blocks"])  # the reference's clamp
     out = []
-    prompt = [(*s, n) for s, n in obs.shapes[Phase.PROMPT].items()]
+    prompt = [(*s, n) for s, n in obs.shapes[Phase.PREFILL].items()]
     for with_ctx in (False, True):
         rows = np.array([r for r in prompt if (r[2] > 0) == with_ctx], dtype=np.int64)
         if len(rows):
             dims = (1, 2) if with_ctx else (0, 1)
             tops = {1: query_top // query_step * query_step, 2: max(per_seq - 1, 0)}
-            out.append(_fit_group(Phase.PROMPT, dims, rows, B, kv_weight, tops, query_step,
+            out.append(_fit_group(Phase.PREFILL, dims, rows, B, kv_weight, tops, query_step,
                                   (obs.limits or {}).get("max_num_batched_tokens")))
     rows = np.array([(*s, n) for s, n in obs.shapes[Phase.DECODE].items()], dtype=np.int64)
     if len(rows):
@@ -270,7 +270,7 @@ def _fit_group(phase: Phase, dims: tuple[int, int], rows: np.ndarray, B: int,
                token_budget: int | None = None) -> _Group:
     """Candidate cuts per dimension; ``tops``: per dimension, a value the largest cut must
     reach (the engine's limit) even if no step was that large."""
-    if phase is Phase.PROMPT:  # query cuts are multiples of the query step...
+    if phase is Phase.PREFILL:  # query cuts are multiples of the query step...
         rows = rows.copy()
         aligned = -(-rows[:, 1] // query_step) * query_step
         if token_budget:  # ...unless that would take the batch past the step's budget
@@ -347,7 +347,7 @@ def suggest(obs: Observed, *, max_buckets: int | None = None,
             g = groups[gi]
             land = _landing(g, ks, obs.limits, B, query_step)
             n = g.shapes[:, 3]
-            q = land[:, 1] if g.phase is Phase.PROMPT else np.ones(len(land), dtype=np.int64)
+            q = land[:, 1] if g.phase is Phase.PREFILL else np.ones(len(land), dtype=np.int64)
             cost = float((n * land[:, 0] * q).sum() + kv_weight * B *
                          (n * (land[:, 2] - g.shapes[:, 2])).sum())
             buckets = dict.fromkeys(tuple(int(x) for x in b) for b in np.unique(land, axis=0))
@@ -409,7 +409,7 @@ def format_bucket_file(plan: Mapping[Phase, Sequence[Bucket]], header: str = "")
     decodes, the other dimension as a list (``server.hpu.buckets.plan.parse_bucket_file``)."""
     lines = [f"# {h}" for h in header.splitlines()]
     rows: dict[tuple[int, int], list[int]] = {}
-    for bs, q, ctx in plan.get(Phase.PROMPT, ()):
+    for bs, q, ctx in plan.get(Phase.PREFILL, ()):
         rows.setdefault((bs, ctx), []).append(q)
     lines.append("# prompt buckets (bs, query tokens, context blocks)")
     lines += [f"({bs}, {sorted(qs)}, {ctx})" for (bs, ctx), qs in sorted(rows.items())]

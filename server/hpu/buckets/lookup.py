@@ -23,7 +23,7 @@ class ShapePlanner:
 
     def __init__(self, prompt: Sequence[Bucket], decode: Sequence[Bucket],
                  counters: DeviceCounters) -> None:
-        self.buckets: dict[Phase, list[Bucket]] = {Phase.PROMPT: sorted(prompt),
+        self.buckets: dict[Phase, list[Bucket]] = {Phase.PREFILL: sorted(prompt),
                                                    Phase.DECODE: sorted(decode)}
         self.counters = counters
         self._warned: set[Bucket] = set()
@@ -36,7 +36,7 @@ class ShapePlanner:
     def prefill_fits(self, num_seqs: int, max_tokens: int, token_budget: int) -> bool:
         """Padding-aware admission: the padded batch must have a bucket, and its padded
         token count (bs * query) must fit the step's token budget."""
-        bucket = self.find(Phase.PROMPT, num_seqs, max_tokens)
+        bucket = self.find(Phase.PREFILL, num_seqs, max_tokens)
         return bucket is not None and bucket[0] * bucket[1] <= token_budget
 
     def pad(self, phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:
@@ -67,9 +67,9 @@ def smallest_dominating(buckets: Sequence[Bucket], target: Bucket) -> Bucket | N
 def exact_bucket(phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:
     """The bucket of exactly this shape: ``size`` is the prompt length or total blocks,
     ``ctx`` the prompts' context blocks."""
-    return (bs, size, ctx) if phase is Phase.PROMPT else (bs, 1, size)
+    return (bs, size, ctx) if phase is Phase.PREFILL else (bs, 1, size)
 
 
 def padded_size(phase: Phase, bucket: Bucket) -> tuple[int, int]:
     """(rows, prompt length or total blocks) that a batch in ``bucket`` is padded to."""
-    return (bucket[0], bucket[1]) if phase is Phase.PROMPT else (bucket[0], bucket[2])
+    return (bucket[0], bucket[1]) if phase is Phase.PREFILL else (bucket[0], bucket[2])

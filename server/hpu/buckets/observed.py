@@ -29,7 +29,7 @@ FORMAT = "hpu-serve/observed-shapes/v1"
 SIZE_BUCKETS = tuple(float(2 ** i) for i in range(18))
 WARMUP_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0)
 # (dimension label, index into the shape tuple) exported per phase
-DIMS = {Phase.PROMPT: (("bs", 0), ("query_tokens", 1), ("ctx_blocks", 2)),
+DIMS = {Phase.PREFILL: (("bs", 0), ("query_tokens", 1), ("ctx_blocks", 2)),
         Phase.DECODE: (("bs", 0), ("ctx_blocks", 2))}
 
 

@@ -130,13 +130,13 @@ def _range(cfg: BucketRanges, r: DimRange) -> list[int]:
     return exp_range(*r) if cfg.strategy == "exp" else lin_range(*r[:3])
 
 
-def prompt_buckets(cfg: BucketRanges) -> list[Bucket]:
+def prefill_buckets(cfg: BucketRanges) -> list[Bucket]:
     if cfg.file:
-        return [b for b in parse_bucket_file(cfg.file) if b[1] != 1 and _prompt_ok(cfg, b)]
+        return [b for b in parse_bucket_file(cfg.file) if b[1] != 1 and _prefill_ok(cfg, b)]
     contexts = _range(cfg, cfg.prompt["ctx"]) if cfg.with_context else [0]
     candidates = product(_range(cfg, cfg.prompt["bs"]), _range(cfg, cfg.prompt["seq"]),
                          sorted(set(contexts) | {0}))
-    return sorted(b for b in candidates if _prompt_ok(cfg, b))
+    return sorted(b for b in candidates if _prefill_ok(cfg, b))
 
 
 def decode_buckets(cfg: BucketRanges) -> list[Bucket]:
@@ -149,7 +149,7 @@ def decode_buckets(cfg: BucketRanges) -> list[Bucket]:
     return sorted(out)
 
 
-def _prompt_ok(cfg: BucketRanges, b: Bucket) -> bool:
+def _prefill_ok(cfg: BucketRanges, b: Bucket) -> bool:
     bs, q, ctx = b
     if ctx and (bs != 1 or not cfg.with_context):  # a prefill with context runs alone
         return False
@@ -204,7 +204,7 @@ def config_lines(cfg: BucketRanges) -> list[str]:
 
 
 def format_plan(cfg: BucketRanges) -> str:
-    prompt, decode = prompt_buckets(cfg), decode_buckets(cfg)
+    prompt, decode = prefill_buckets(cfg), decode_buckets(cfg)
     return "\n".join(config_lines(cfg) + [
         f"Generated {len(prompt)} prompt buckets [bs, query, num_blocks]: {prompt}",
         f"Generated {len(decode)} decode buckets [bs, query, num_blocks]: {decode}",

@@ -23,7 +23,7 @@ from server.hpu.buckets.fit import (
     format_bucket_file,
     suggest,
 )
-from server.hpu.buckets.plan import decode_buckets, prompt_buckets, resolve_ranges
+from server.hpu.buckets.plan import decode_buckets, prefill_buckets, resolve_ranges
 from server.hpu.types import Bucket, Phase
 
 
@@ -52,9 +52,9 @@ def reference_plan(obs: Observed, strategy: str = "exp") -> dict[Phase, list[Buc
         BucketingConfig(strategy=strategy), block_size=obs.block_size,
         max_model_len=obs.limits["max_model_len"], max_num_seqs=obs.limits["max_num_seqs"],
         max_num_batched_tokens=obs.limits["max_num_batched_tokens"],
-        with_context=any(s[2] > 0 for s in obs.shapes[Phase.PROMPT]) or any(
-            b[2] > 0 for b in (obs.plan or {}).get(Phase.PROMPT, ())))
-    return {Phase.PROMPT: prompt_buckets(ranges), Phase.DECODE: decode_buckets(ranges)}
+        with_context=any(s[2] > 0 for s in obs.shapes[Phase.PREFILL]) or any(
+            b[2] > 0 for b in (obs.plan or {}).get(Phase.PREFILL, ())))
+    return {Phase.PREFILL: prefill_buckets(ranges), Phase.DECODE: decode_buckets(ranges)}
 
 
 def comparison(rows: dict[str, PlanCost]) -> str:
@@ -63,7 +63,7 @@ def comparison(rows: dict[str, PlanCost]) -> str:
             f"{'padded total':>13} {'pad KV blocks':>14} {'misses':>7} {'warmup s':>9}")
     out = [head, "-" * len(head)]
     for name, c in rows.items():
-        out.append(f"{name:<12} {c.total_buckets:>7} {c.padded_tokens[Phase.PROMPT]:>14,} "
+        out.append(f"{name:<12} {c.total_buckets:>7} {c.padded_tokens[Phase.PREFILL]:>14,} "
                    f"{c.padded_tokens[Phase.DECODE]:>14,} {c.total_padded_tokens:>13,} "
                    f"{sum(c.padded_kv_blocks.values()):>14,} {sum(c.misses.values()):>7} "
                    f"{c.warmup_seconds:>9.1f}")

@@ -124,7 +124,7 @@ def test_kv_blocks_full_preempts_the_biggest_client_for_the_waiting_one() -> Non
     run_steps(sched, MIN_STEPS_BEFORE_FAIR_PREEMPTION + 1)
     sched.add(seq(3, "B", num_tokens=6))
     batches = run_steps(sched, 2)
-    assert any(s.seq_id == 3 for b in batches for s in b.seqs if b.phase is Phase.PROMPT)
+    assert any(s.seq_id == 3 for b in batches for s in b.seqs if b.phase is Phase.PREFILL)
     assert running_by(sched, "B") == 1
 
 

@@ -40,14 +40,14 @@ def test_prefill_then_decode_and_new_prompts_join_between_steps() -> None:
     sched = make_scheduler()
     sched.add(make_seq(0, 5))
     b = fake_step(sched)
-    assert b.phase is Phase.PROMPT
+    assert b.phase is Phase.PREFILL
     assert [s.seq_id for s in b.seqs] == [0]
     b = fake_step(sched)
     assert b.phase is Phase.DECODE
     assert [s.seq_id for s in b.seqs] == [0]
     sched.add(make_seq(1, 3))
     b = fake_step(sched)
-    assert b.phase is Phase.PROMPT
+    assert b.phase is Phase.PREFILL
     assert [s.seq_id for s in b.seqs] == [1]
     b = fake_step(sched)
     assert b.phase is Phase.DECODE
@@ -63,7 +63,7 @@ def test_fcfs_and_max_num_seqs() -> None:
     assert [s.seq_id for s in sched.waiting] == [2, 3]
     sched.finish(b.seqs[0])
     b = fake_step(sched)
-    assert b.phase is Phase.PROMPT
+    assert b.phase is Phase.PREFILL
     assert [s.seq_id for s in b.seqs] == [2]
 
 
@@ -82,7 +82,7 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_later() -> None:
     sched.add(a)
     sched.add(b)
     batch = fake_step(sched)
-    assert batch.phase is Phase.PROMPT
+    assert batch.phase is Phase.PREFILL
     assert sched.block_manager.num_free_blocks == 0
     batch = fake_step(sched)  # both need a 3rd block for token index 4: b is preempted
     assert batch.phase is Phase.DECODE
@@ -95,7 +95,7 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_later() -> None:
     assert sched.num_preemptions == 1
     sched.finish(a)
     batch = fake_step(sched)  # b comes back as a prefill of prompt + generated tokens
-    assert batch.phase is Phase.PROMPT
+    assert batch.phase is Phase.PREFILL
     assert batch.seqs == [b]
     assert len(b.block_table) == 3  # 4 prompt tokens + 1 generated = 5 tokens
 

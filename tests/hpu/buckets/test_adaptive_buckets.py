@@ -42,12 +42,12 @@ def test_buckets_added_while_serving_compile_as_warmup(tiny_model, tmp_path) -> 
     assert counters.compilations(stage="serving") == 0
     assert counters.compilations(stage="warmup") == warmed + added
     plan = llm.engine.runner.shapes.buckets
-    assert len(plan[Phase.PROMPT]) + len(plan[Phase.DECODE]) == 2 + added
+    assert len(plan[Phase.PREFILL]) + len(plan[Phase.DECODE]) == 2 + added
     # what was added is tighter than the coarse buckets the traffic padded to
     new = [b for p in Phase for b in plan[p] if b not in ((1, 64, 0), (4, 1, 32))]
     assert all(b[0] * b[1] < 64 or b[0] * max(b[2], 1) < 4 * 32 for b in new)
     total = sum(counters._added.labels(counters.model_name, p)._value.get()
-                for p in ("prompt", "decode"))
+                for p in ("prefill", "decode"))
     assert total == added
     # the dump shows the plan as it is now, added buckets included
     snap = counters.observed.snapshot()

@@ -20,7 +20,7 @@ from server.hpu.buckets.observed import ShapeStats
 from server.hpu.buckets.plan import (
     decode_buckets,
     parse_bucket_file,
-    prompt_buckets,
+    prefill_buckets,
     resolve_ranges,
 )
 from server.hpu.counters import DeviceCounters
@@ -40,13 +40,13 @@ def recorded(seed: int = 0, steps: int = 3000) -> ShapeStats:
         if bs * q > LIMITS["max_num_batched_tokens"]:
             bs = 1
         ctx = rng.choice([0, 0, 0, rng.randint(1, 8)]) if bs == 1 else 0
-        stats.record(Phase.PROMPT, (bs, q, ctx), bs * q)
+        stats.record(Phase.PREFILL, (bs, q, ctx), bs * q)
     for _ in range(steps):
         bs = rng.randint(1, 32)
         stats.record(Phase.DECODE, (bs, 1, bs * rng.randint(1, 10)), bs)
     stats.describe(block_size=16, limits=LIMITS, plan=None)
-    stats.warmed(Phase.PROMPT, (1, 128, 0), 2.0)
-    stats.warmed(Phase.PROMPT, (1, 1024, 0), 4.0)
+    stats.warmed(Phase.PREFILL, (1, 128, 0), 2.0)
+    stats.warmed(Phase.PREFILL, (1, 1024, 0), 4.0)
     stats.warmed(Phase.DECODE, (8, 1, 64), 1.0)
     return stats
 
@@ -87,11 +87,11 @@ def test_every_observed_shape_replays_without_a_miss_within_budget(budget) -> No
         assert cost.warmup_seconds <= budget["warmup_budget"] + 1e-6
     # replay with the runtime's planner itself: not one miss
     counters = DeviceCounters("m")
-    planner = ShapePlanner(plan[Phase.PROMPT], plan[Phase.DECODE], counters)
+    planner = ShapePlanner(plan[Phase.PREFILL], plan[Phase.DECODE], counters)
     for phase in Phase:
         for (bs, q, ctx), _ in obs.shapes[phase].items():
-            size = q if phase is Phase.PROMPT else ctx
-            assert planner.find(phase, bs, size, ctx if phase is Phase.PROMPT else 0) is not None
+            size = q if phase is Phase.PREFILL else ctx
+            assert planner.find(phase, bs, size, ctx if phase is Phase.PREFILL else 0) is not None
     assert sum(cost.misses.values()) == 0
 
 
@@ -103,7 +103,7 @@ def test_more_budget_never_pads_more_and_beats_the_default_plan() -> None:
     assert pads == sorted(pads, reverse=True)
     ranges = resolve_ranges(BucketingConfig(), block_size=16, max_model_len=2048,
                             max_num_seqs=32, max_num_batched_tokens=4096, with_context=True)
-    default = {Phase.PROMPT: prompt_buckets(ranges), Phase.DECODE: decode_buckets(ranges)}
+    default = {Phase.PREFILL: prefill_buckets(ranges), Phase.DECODE: decode_buckets(ranges)}
     base = evaluate(obs, default, warmup)
     fitted = evaluate(obs, suggest(obs, max_buckets=base.total_buckets), warmup)
     assert fitted.total_padded_tokens <= 0.7 * base.total_padded_tokens
@@ -135,7 +135,7 @@ def test_cli_suggest_from_a_saved_dump(tmp_path, capsys) -> None:
     # the server loads every line of it with these limits (nothing filtered away)
     ranges = resolve_ranges(BucketingConfig(file=str(out)), block_size=16, max_model_len=2048,
                             max_num_seqs=32, max_num_batched_tokens=4096, with_context=True)
-    assert len(prompt_buckets(ranges)) + len(decode_buckets(ranges)) == len(buckets)
+    assert len(prefill_buckets(ranges)) + len(decode_buckets(ranges)) == len(buckets)
     assert "eager" not in capsys.readouterr().err  # recorded for static shapes: no warning
 
 
@@ -159,14 +159,14 @@ def test_largest_buckets_reach_the_engine_limits_unless_told_otherwise() -> None
     planner = ShapePlanner(*suggest(obs, max_buckets=40).values(), DeviceCounters("m"))
     # larger than anything observed, within the limits: still a bucket (padding, no compile)
     assert planner.find(Phase.DECODE, 32, 32 * 128) is not None
-    assert planner.find(Phase.PROMPT, 1, 2048) is not None
+    assert planner.find(Phase.PREFILL, 1, 2048) is not None
     envelope = suggest(obs, max_buckets=40, cover_limits=False)
     assert max(b[2] for b in envelope[Phase.DECODE]) == max(s[2] for s in obs.shapes[Phase.DECODE])
 
 
 def test_nothing_observed_yet_is_refused() -> None:
     stats = ShapeStats("m", CollectorRegistry())
-    stats.record(Phase.PROMPT, (1, 20, 0), 20)
+    stats.record(Phase.PREFILL, (1, 20, 0), 20)
     stats.describe(block_size=16, limits=LIMITS, plan=None)
     with pytest.raises(ValueError, match="no decode steps observed"):
         suggest(Observed.from_json(stats.snapshot()), max_buckets=10)
@@ -179,7 +179,7 @@ def test_query_buckets_step_finer_than_the_block() -> None:
     stats = ShapeStats("m", CollectorRegistry())
     for _ in range(300):
         q = rng.randint(140, 300)
-        stats.record(Phase.PROMPT, (1, q, 0), q)
+        stats.record(Phase.PREFILL, (1, q, 0), q)
     for _ in range(1000):
         bs = rng.randint(1, 16)
         stats.record(Phase.DECODE, (bs, 1, 3 * bs), bs)
@@ -189,11 +189,11 @@ def test_query_buckets_step_finer_than_the_block() -> None:
     warmup = WarmupModel({})
     aligned = suggest(obs, max_buckets=30, query_step=128)
     fine = suggest(obs, max_buckets=30)
-    assert all(q % 128 == 0 for _, q, _ in aligned[Phase.PROMPT])
-    assert all(q % 32 == 0 for _, q, _ in fine[Phase.PROMPT])
-    assert any(q % 128 for _, q, _ in fine[Phase.PROMPT])
+    assert all(q % 128 == 0 for _, q, _ in aligned[Phase.PREFILL])
+    assert all(q % 32 == 0 for _, q, _ in fine[Phase.PREFILL])
+    assert any(q % 128 for _, q, _ in fine[Phase.PREFILL])
     cost_aligned, cost_fine = evaluate(obs, aligned, warmup), evaluate(obs, fine, warmup)
     assert sum(cost_fine.misses.values()) == sum(cost_aligned.misses.values()) == 0
     # block-aligned: ~74 padded tokens per prompt; 32-token steps: at most ~31 and a few cuts
-    assert cost_fine.padded_tokens[Phase.PROMPT] < 0.5 * cost_aligned.padded_tokens[Phase.PROMPT]
+    assert cost_fine.padded_tokens[Phase.PREFILL] < 0.5 * cost_aligned.padded_tokens[Phase.PREFILL]
     assert cost_fine.total_buckets <= 30

@@ -18,7 +18,7 @@ from server.hpu.buckets.plan import (
     format_plan,
     lin_range,
     parse_bucket_file,
-    prompt_buckets,
+    prefill_buckets,
     resolve_ranges,
 )
 from server.hpu.counters import DeviceCounters
@@ -60,7 +60,7 @@ def test_linear_strategy_reproduces_the_logged_pairs() -> None:
            "VLLM_PROMPT_BS_BUCKET_MAX": "4", "VLLM_PROMPT_SEQ_BUCKET_MAX": "1024"}
     cfg = bucketing_config(env, block_size=128, max_model_len=2048, max_num_seqs=4,
                            max_num_batched_tokens=4096)
-    assert [(b[0], b[1]) for b in prompt_buckets(cfg)] == LOGGED_PROMPT
+    assert [(b[0], b[1]) for b in prefill_buckets(cfg)] == LOGGED_PROMPT
 
 
 @pytest.mark.skipif(not SEEDS.is_dir(),
@@ -75,7 +75,7 @@ def test_logged_lists_in_the_source_document_match() -> None:
 def test_exponential_defaults_match_the_reference_numbers() -> None:
     cfg = bucketing_config({}, block_size=128, max_model_len=1024, max_num_seqs=4,
                            max_num_batched_tokens=1024)
-    assert [b[1] for b in prompt_buckets(cfg)] == [128, 256, 384, 512, 768, 896, 1024]
+    assert [b[1] for b in prefill_buckets(cfg)] == [128, 256, 384, 512, 768, 896, 1024]
     assert decode_buckets(cfg) == [
         (1, 1, 1), (1, 1, 4), (1, 1, 8), (2, 1, 4), (2, 1, 8), (2, 1, 12), (2, 1, 16),
         (4, 1, 4), (4, 1, 8), (4, 1, 12), (4, 1, 16), (4, 1, 24), (4, 1, 32)]
@@ -99,7 +99,7 @@ def test_impossible_buckets_are_filtered() -> None:
     env = {"VLLM_BUCKETING_STRATEGY": "lin", "VLLM_PROMPT_BS_BUCKET_MAX": "8"}
     cfg = bucketing_config(env, block_size=128, max_model_len=1024, max_num_seqs=8,
                            max_num_batched_tokens=1024)
-    assert all(bs * q <= 1024 for bs, q, _ in prompt_buckets(cfg))  # token budget
+    assert all(bs * q <= 1024 for bs, q, _ in prefill_buckets(cfg))  # token budget
     assert all(bs <= blocks <= bs * 8 for bs, _, blocks in decode_buckets(cfg))
 
 
@@ -123,16 +123,16 @@ def test_padding_example_of_the_bucketing_document() -> None:
            "VLLM_PROMPT_BS_BUCKET_STEP": "32"}
     cfg = bucketing_config(env, block_size=128, max_model_len=2048, max_num_seqs=4,
                            max_num_batched_tokens=4096)
-    planner = ShapePlanner(prompt_buckets(cfg), decode_buckets(cfg), DeviceCounters("m"))
+    planner = ShapePlanner(prefill_buckets(cfg), decode_buckets(cfg), DeviceCounters("m"))
     # 3 sequences of 412 tokens -> prefill bucket (4, 512, 0)
-    assert planner.find(Phase.PROMPT, 3, 412) == (4, 512, 0)
+    assert planner.find(Phase.PREFILL, 3, 412) == (4, 512, 0)
     # decode: 3 rows of 4 blocks each -> batch 4; as requests finish -> batch 2
     assert planner.find(Phase.DECODE, 3, 12)[0] == 4
     assert planner.find(Phase.DECODE, 2, 8)[0] == 2
     # beyond every bucket: no bucket, the caller runs it as is and counts a miss
-    assert planner.find(Phase.PROMPT, 1, 4096) is None
-    assert planner.pad(Phase.PROMPT, 1, 4096) == (1, 4096, 0)
-    assert planner.counters._misses.labels("m", "prompt")._value.get() == 1
+    assert planner.find(Phase.PREFILL, 1, 4096) is None
+    assert planner.pad(Phase.PREFILL, 1, 4096) == (1, 4096, 0)
+    assert planner.counters._misses.labels("m", "prefill")._value.get() == 1
 
 
 def test_shipped_example_bucket_file_parses() -> None:
@@ -153,9 +153,9 @@ def test_context_dimension_for_chunked_prefill_and_prefix_caching() -> None:
     env = bucketing_config_from_env({})
     limits = dict(block_size=128, max_model_len=4096, max_num_seqs=16,
                   max_num_batched_tokens=2048, num_blocks=200)
-    plain = prompt_buckets(resolve_ranges(env, **limits))
+    plain = prefill_buckets(resolve_ranges(env, **limits))
     ranges = resolve_ranges(env, **limits, with_context=True)
-    buckets = prompt_buckets(ranges)
+    buckets = prefill_buckets(ranges)
     # the context-free buckets are unchanged; the new ones are bs 1, context up to the
     # longest a one-block query can follow: (4096 - 128) / 128 = 31 blocks
     assert [b for b in buckets if b[2] == 0] == plain
@@ -168,10 +168,10 @@ def test_context_dimension_for_chunked_prefill_and_prefix_caching() -> None:
                                      "VLLM_PROMPT_CTX_BUCKET_MIN": "0",
                                      "VLLM_PROMPT_CTX_BUCKET_STEP": "8",
                                      "VLLM_PROMPT_CTX_BUCKET_MAX": "24"})
-    lin_buckets = prompt_buckets(resolve_ranges(lin, **limits, with_context=True))
+    lin_buckets = prefill_buckets(resolve_ranges(lin, **limits, with_context=True))
     assert sorted({b[2] for b in lin_buckets}) == [0, 8, 16, 24]
     # lookups take the context into account; a prefill with context never pads into a
     # bucket of another batch size
     planner = ShapePlanner(buckets, [], DeviceCounters("m"))
-    assert planner.pad(Phase.PROMPT, 1, 300, 5) == (1, 384, 8)
-    assert planner.pad(Phase.PROMPT, 1, 300, 0) == (1, 384, 0)
+    assert planner.pad(Phase.PREFILL, 1, 300, 5) == (1, 384, 8)
+    assert planner.pad(Phase.PREFILL, 1, 300, 0) == (1, 384, 0)

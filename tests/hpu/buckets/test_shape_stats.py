@@ -18,11 +18,11 @@ def test_counts_are_exact_until_the_cap_then_coarse_and_covering() -> None:
     reg = CollectorRegistry()
     stats = ShapeStats("m", reg, max_shapes=3)
     for q in (16, 32, 16, 48):
-        stats.record(Phase.PROMPT, (1, q, 0), q)
-    stats.record(Phase.PROMPT, (2, 1000, 5), 1500)  # past the cap: rounded up
+        stats.record(Phase.PREFILL, (1, q, 0), q)
+    stats.record(Phase.PREFILL, (2, 1000, 5), 1500)  # past the cap: rounded up
     stats.record(Phase.DECODE, (4, 1, 9), 4)
     snap = stats.snapshot()["phases"]
-    prompt = snap["prompt"]
+    prompt = snap["prefill"]
     assert prompt["steps"] == 5 and prompt["real_tokens"] == 16 + 32 + 16 + 48 + 1500
     assert prompt["coarsened"] == 1
     shapes = {tuple(s[:3]): s[3] for s in prompt["shapes"]}

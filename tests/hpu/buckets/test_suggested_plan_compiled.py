@@ -49,7 +49,7 @@ def test_suggested_plan_serves_with_zero_compilations(tiny_model, tmp_path) -> N
     traffic(compiled, vocab)
     assert counters.compilations(stage="serving") == 0
     assert sum(counters._misses.labels(counters.model_name, p)._value.get()
-               for p in ("prompt", "decode")) == 0
+               for p in ("prefill", "decode")) == 0
 
 
 def test_an_eager_trace_with_context_prefills_fits_a_valid_plan(tiny_model) -> None:
@@ -61,9 +61,9 @@ def test_an_eager_trace_with_context_prefills_fits_a_valid_plan(tiny_model) -> N
     traffic(eager, eager.engine.model_config.vocab_size)
     doc = eager.engine.counters.observed.snapshot()
     assert doc["static_shapes"] is False
-    assert any(s[0] > 1 and s[2] > 0 for s in doc["phases"]["prompt"]["shapes"])
+    assert any(s[0] > 1 and s[2] > 0 for s in doc["phases"]["prefill"]["shapes"])
     obs = Observed.from_json(doc)
-    assert all(bs == 1 for bs, _, ctx in obs.shapes[Phase.PROMPT] if ctx)
+    assert all(bs == 1 for bs, _, ctx in obs.shapes[Phase.PREFILL] if ctx)
     plan = suggest(obs, max_buckets=16)
-    assert all(bs == 1 for bs, _, ctx in plan[Phase.PROMPT] if ctx)
+    assert all(bs == 1 for bs, _, ctx in plan[Phase.PREFILL] if ctx)
     assert sum(evaluate(obs, plan, WarmupModel({})).misses.values()) == 0
