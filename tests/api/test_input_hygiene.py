@@ -173,15 +173,15 @@ def test_limits_follow_their_flags(tight_server) -> None:
     assert_400(post(srv, COMPLETIONS, prompt="a"), "n", "unset", "--max-tokens-per-request")
 
 
-def test_help_and_readme_document_every_limit_flag() -> None:
+def test_help_and_docs_document_every_limit_flag() -> None:
     import subprocess
     import sys
     from pathlib import Path
 
     out = subprocess.run([sys.executable, "-m", "server", "serve", "--help"],
                          capture_output=True, text=True, check=True).stdout
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Limits and failure behaviour", 1)[1].split("\n### ", 1)[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    section = page.split("\n## Limits and failure behaviour\n", 1)[1].split("\n## ", 1)[0]
     for flag in ("--max-logprobs", "--max-stop-strings", "--max-stop-token-ids",
                  "--max-logit-bias", "--max-messages", "--max-prompts",
                  "--max-tokens-per-request", "--max-seqs-per-request", "--max-client-seqs",

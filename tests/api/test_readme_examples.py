@@ -1,4 +1,5 @@
-"""The README's curl and OpenAI SDK examples, run verbatim against a live server."""
+"""The curl and OpenAI SDK examples of the README and of docs/serving.md, run verbatim against a
+live server: an example that stops working, or goes missing from its page, fails here."""
 
 from __future__ import annotations
 
@@ -10,17 +11,38 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+# page -> how many curl and SDK examples it must hold (a vanished example fails too)
+PAGES = {"README.md": {"curl": 1, "sdk": 1}, "docs/serving.md": {"curl": 2, "sdk": 1}}
+EXAMPLE_URL = "http://localhost:8000"
 
 
-def blocks(lang: str, marker: str) -> list[str]:
-    found = re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
-    return [b for b in found if marker in b]
+def blocks(page: str, lang: str, marker: str) -> list[str]:
+    found = re.findall(rf"```{lang}\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+    return [b for b in found if marker in b and EXAMPLE_URL in b]
 
 
-@pytest.mark.parametrize("index", range(2))
-def test_curl_examples(server, index: int) -> None:
-    script = blocks("bash", "curl ")[index].replace("http://localhost:8000", server.base_url)
+def curl_examples(page: str) -> list[str]:
+    return blocks(page, "bash", "curl ")
+
+
+def sdk_examples(page: str) -> list[str]:
+    return blocks(page, "python", "OpenAI(")
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_each_page_holds_its_examples(page: str) -> None:
+    assert len(curl_examples(page)) == PAGES[page]["curl"], page
+    assert len(sdk_examples(page)) == PAGES[page]["sdk"], page
+
+
+CURL_CASES = [(page, i) for page, n in sorted(PAGES.items()) for i in range(n["curl"])]
+SDK_CASES = [(page, i) for page, n in sorted(PAGES.items()) for i in range(n["sdk"])]
+
+
+@pytest.mark.parametrize(("page", "index"), CURL_CASES)
+def test_curl_examples(server, page: str, index: int) -> None:
+    script = curl_examples(page)[index].replace(EXAMPLE_URL, server.base_url)
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     if '"stream": true' in script:
@@ -29,13 +51,14 @@ def test_curl_examples(server, index: int) -> None:
         assert json.loads(events[-2])["usage"]["completion_tokens"] > 0
     else:
         body = json.loads(out.stdout)
-        assert body["object"] == "chat.completion"
+        assert body["object"] == "chat.completion", body
         assert body["choices"][0]["message"]["role"]
 
 
-def test_openai_sdk_example(server) -> None:
-    (code,) = blocks("python", "OpenAI(")
-    code = code.replace("http://localhost:8000", server.base_url)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize(("page", "index"), SDK_CASES)
+def test_openai_sdk_examples(server, page: str, index: int) -> None:
+    code = sdk_examples(page)[index].replace(EXAMPLE_URL, server.base_url)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()

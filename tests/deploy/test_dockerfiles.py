@@ -1,4 +1,4 @@
-"""Both images pass hadolint and keep the promises the README makes about them. No Docker
+"""Both images pass hadolint and keep the promises docs/deployment.md makes about them. No Docker
 engine runs here, so the images themselves are not built by the tests."""
 
 from __future__ import annotations

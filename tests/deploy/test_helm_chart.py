@@ -314,10 +314,10 @@ def test_multi_host_leader_worker_set() -> None:
 
 
 def readme_layouts() -> list[dict]:
-    """The chart values the README's "Multi-card and multi-host" section gives."""
-    text = (CHART.parents[2] / "README.md").read_text()
-    section = text[text.index("### Multi-card and multi-host"):]
-    section = section[:section.index("\n## ")]
+    """The chart values the "Multi-card and multi-host" section of docs/deployment.md gives."""
+    text = (CHART.parents[2] / "docs" / "deployment.md").read_text()
+    section = text.split("\n## Multi-card and multi-host\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
     return [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", section, re.S)]
 
 

@@ -138,7 +138,7 @@ def test_one_stop_string_cuts_at_its_first_occurrence(tokenizer: Tokenizer,
 @given(data=st.data())
 def test_several_stop_strings(tokenizer: Tokenizer, data: st.DataObject) -> None:
     """With several stops the output is cut just before one of them and holds none: which
-    one, when two overlap, depends on how much text one step brings (see the README)."""
+    one, when two overlap, depends on how much text one step brings (see docs/serving.md)."""
     prompt, ids, chunks = data.draw(generation(tokenizer))
     full = full_decode(tokenizer, prompt, ids)
     stops = stops_in(data.draw, full, boundaries(tokenizer, prompt, ids))
