@@ -145,7 +145,7 @@ def format_report(device: str, reports: list[RunReport]) -> str:
                   "buckets (planned / warmed / captured): " + ", ".join(
                       f"{phase} {b.get('planned', 0):.0f} / {b.get('warmed', 0):.0f} / "
                       f"{b.get('captured', 0):.0f}" for phase, b in sorted(r.buckets.items())
-                      if phase in ("prompt", "decode")),
+                      if phase in ("prefill", "decode")),
                   "graph memory: " + (", ".join(f"{p} {g:.2f} GiB"
                                                 for p, g in sorted(r.graph_memory_gib.items()))
                                       or "no graphs captured"),

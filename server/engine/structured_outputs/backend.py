@@ -1,9 +1,9 @@
 """Structured outputs: a grammar per request, a token mask per step (xgrammar).
 
 A request's constraint (JSON schema, any JSON object, regex, choice, EBNF grammar) is checked
-against the size caps (``grammar_limits``), then compiled off the engine thread and off the
+against the size caps (``limits``), then compiled off the engine thread and off the
 tokenization threads: first by a killable worker process under ``--grammar-compile-timeout``
-(``grammar_pool``), then, once known to end in time, by this process on a thread of its own
+(``compile_pool``), then, once known to end in time, by this process on a thread of its own
 (``--grammar-workers`` of them, at a lower CPU priority). Compiled grammars are kept in an
 LRU cache keyed by the constraint's text (``--grammar-cache-size`` entries, and at most
 ``CACHE_BYTES``), failures too: a client repeating a constraint that overran the limit

@@ -3,7 +3,7 @@
 Why processes: xgrammar's compilation is one uninterruptible C++ call, and its cost is not
 bounded by the size of its input (a 1 MB enum of long strings takes ~50 s even with a tiny
 vocabulary). A thread running it cannot be stopped; a process can be killed. So every new
-constraint is first compiled by a worker (``grammar_worker``): beyond ``timeout`` the worker
+constraint is first compiled by a worker (``compile_worker``): beyond ``timeout`` the worker
 is killed and replaced, and the request gets a 400.
 
 Why the worker does not send the compiled grammar back: xgrammar can serialize one

@@ -1,5 +1,5 @@
 """A grammar compile worker: a child process that compiles the constraints it is sent and
-says how long each took. Run by ``grammar_pool`` as
+says how long each took. Run by ``compile_pool`` as
 ``python -m server.engine.structured_outputs.compile_worker FD`` (FD: its end of a socket pair).
 
 It exists to be killed: xgrammar's compilation cannot be interrupted, so a constraint that

@@ -2,7 +2,7 @@
 of ``--max-grammar-bytes`` and ``--max-grammar-alternatives`` before any compilation, and the
 grammar library's errors made fit for a client (no internal source paths).
 
-Torch-free and xgrammar-free: the compile workers (``grammar_worker``) import it too.
+Torch-free and xgrammar-free: the compile workers (``compile_worker``) import it too.
 """
 
 from __future__ import annotations
