@@ -12,8 +12,8 @@ from server.hpu.types import Bucket, Phase
 from server.hpu.warmup import SAMPLER_CONFIGS, WarmupHooks, distinct_sampler_paths, run_warmup
 
 GiB = 1 << 30
-BUCKETS = {Phase.PREFILL: [(1, 128, 0), (2, 128, 0), (1, 256, 0)],
-           Phase.DECODE: [(1, 1, 4), (2, 1, 8), (4, 1, 16), (8, 1, 32)]}
+BUCKETS = {Phase.PREFILL: [Bucket(1, 128, 0), Bucket(2, 128, 0), Bucket(1, 256, 0)],
+           Phase.DECODE: [Bucket(1, 1, 4), Bucket(2, 1, 8), Bucket(4, 1, 16), Bucket(8, 1, 32)]}
 
 
 class CapturingRunner(GraphRunner):
