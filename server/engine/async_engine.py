@@ -107,7 +107,7 @@ class AsyncEngine:
                  on_dead: Callable[[BaseException], None] | None = None) -> None:
         # Called (from the engine thread) once the loop has died: the server uses it to
         # stop and exit non-zero, so an orchestrator restarts it instead of a zombie 503.
-        self.on_dead = on_dead
+        self._on_dead = on_dead
         self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -198,8 +198,8 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(Stop())
         self._fail_all(EngineDeadError(f"engine died: {exc!r}"))
-        if self.on_dead is not None:
-            self.on_dead(exc)
+        if self._on_dead is not None:
+            self._on_dead(exc)
 
     async def submit(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -292,8 +292,8 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self.dead_reason = exc
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
-            if self.on_dead is not None:
-                self.on_dead(exc)
+            if self._on_dead is not None:
+                self._on_dead(exc)
 
     def _drain(self, block: bool) -> None:
         while True:
