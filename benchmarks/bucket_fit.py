@@ -51,12 +51,11 @@ from server.hpu.buckets.observed import ShapeStats  # noqa: E402
 from server.hpu.buckets.plan import decode_buckets, prefill_buckets, resolve_ranges  # noqa: E402
 from server.hpu.buckets.suggest import reference_plan  # noqa: E402
 from server.hpu.counters import DeviceCounters  # noqa: E402
-from server.hpu.types import Phase  # noqa: E402
+from server.hpu.types import BucketLimits, Phase  # noqa: E402
 
 # the server's defaults on an accelerator: chunked prefill with a 2,048-token step budget
 BLOCK, MAX_LEN, MAX_SEQS, BUDGET, NUM_BLOCKS = 128, 4096, 64, 2048, 2048
-LIMITS = {"max_model_len": MAX_LEN, "max_num_seqs": MAX_SEQS, "max_num_batched_tokens": BUDGET,
-          "num_blocks": NUM_BLOCKS}
+LIMITS = BucketLimits(MAX_LEN, MAX_SEQS, BUDGET, NUM_BLOCKS)
 # name: (input_len, output_len, range_ratio, long_fraction, long_input_len, rate/s, burstiness)
 WORKLOADS = {
     "chat": (512, 256, 0.9, 0.0, 0, 6.0, 1.0),

@@ -117,10 +117,11 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerLimits:
-    """Resolved batch limits (no ``None``: the model is known by now)."""
+    """Resolved batch limits (no ``None``: the model is known by now), resolved once per
+    rank by ``server.engine.worker.builder.resolve_limits`` and passed around from there."""
 
     max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int  # the step's token budget
     max_model_len: int
     policy: str = "fcfs"
     # prompts split over steps under the token budget, decodes first (mixed steps)
@@ -135,23 +136,26 @@ class SchedulerLimits:
     def resolve(cls, config: SchedulerConfig, model_max_len: int,
                 chunked_prefill: bool | None = None,
                 context_prefill_alone: bool = False,
-                chunked_budget: int = MIN_BATCHED_TOKENS) -> SchedulerLimits:
+                default_max_num_batched_tokens: int = MIN_BATCHED_TOKENS) -> SchedulerLimits:
         """The flags' limits with the model's defaults filled in, checked against it.
-        ``chunked_prefill`` overrides the flag; ``chunked_budget``: the platform's step
-        budget with chunked prefill when ``--max-num-batched-tokens`` is unset."""
+        ``chunked_prefill`` overrides the flag; ``default_max_num_batched_tokens``: the
+        platform's step budget with chunked prefill when ``--max-num-batched-tokens`` is
+        unset."""
         chunked = config.enable_chunked_prefill if chunked_prefill is None else chunked_prefill
         max_model_len = config.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                              f"{model_max_len}")
-        max_batched = config.batched_tokens_for(max_model_len, chunked, chunked_budget)
-        if max_batched < max_model_len and not chunked:
+        max_num_batched_tokens = config.batched_tokens_for(max_model_len, chunked,
+                                                           default_max_num_batched_tokens)
+        if max_num_batched_tokens < max_model_len and not chunked:
             # Without chunked prefill a whole prompt must fit one step's token budget.
             raise ValueError(
-                f"--max-num-batched-tokens ({max_batched}) must be >= --max-model-len "
-                f"({max_model_len}) since prompts are not chunked (--no-enable-chunked-prefill)")
-        return cls(config.max_num_seqs, max_batched, max_model_len, config.policy, chunked,
-                   context_prefill_alone, config.fair_share)
+                f"--max-num-batched-tokens ({max_num_batched_tokens}) must be >= "
+                f"--max-model-len ({max_model_len}) since prompts are not chunked "
+                "(--no-enable-chunked-prefill)")
+        return cls(config.max_num_seqs, max_num_batched_tokens, max_model_len, config.policy,
+                   chunked, context_prefill_alone, config.fair_share)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -102,11 +103,11 @@ class AsyncEngine:
     the main thread made decode steps ~1.5x slower on a 2-core machine (measured).
     """
 
-    def __init__(self, engine_factory: Callable[[], LLMEngine],
+    def __init__(self, engine_factory: Callable[[Callable[[BaseException], None]], LLMEngine],
                  on_dead: Callable[[BaseException], None] | None = None) -> None:
         # Called (from the engine thread) once the loop has died: the server uses it to
         # stop and exit non-zero, so an orchestrator restarts it instead of a zombie 503.
-        self.on_dead = on_dead
+        self._on_dead = on_dead
         self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,13 +124,13 @@ class AsyncEngine:
         self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
-        self._engine = self.call(engine_factory)
-        self._engine.on_fault(self._fault)
+        # the factory gets the engine's fault listener: a worker rank's death comes here
+        self._engine = self.call(engine_factory, self._fault)
 
     @classmethod
     def from_config(cls, config: EngineConfig,
                     on_dead: Callable[[BaseException], None] | None = None) -> AsyncEngine:
-        return cls(lambda: LLMEngine(config), on_dead)
+        return cls(functools.partial(LLMEngine, config), on_dead)
 
     @property
     def engine(self) -> LLMEngine:
@@ -197,8 +198,8 @@ class AsyncEngine:
         self._stopping = True
         self._commands.put(Stop())
         self._fail_all(EngineDeadError(f"engine died: {exc!r}"))
-        if self.on_dead is not None:
-            self.on_dead(exc)
+        if self._on_dead is not None:
+            self._on_dead(exc)
 
     async def submit(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -291,8 +292,8 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self.dead_reason = exc
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
-            if self.on_dead is not None:
-                self.on_dead(exc)
+            if self._on_dead is not None:
+                self._on_dead(exc)
 
     def _drain(self, block: bool) -> None:
         while True:

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
 from server.cache_dir import writable_cache_dir
-from server.config import EngineConfig, ExecutionMode, SchedulerLimits
+from server.config import EngineConfig
 from server.engine.core.block_manager import BlockManager
 from server.engine.core.scheduler import Scheduler
 from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.errors import EngineFaultError, RequestError
-from server.engine.executor import RankExecutor, make_executor
+from server.engine.executor import FaultListener, RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
 from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
@@ -24,16 +22,11 @@ from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
 from server.engine.structured_outputs.backend import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
-from server.engine.worker.model_runner import ModelRunner
+from server.engine.worker.builder import build_model_runner
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE
 from server.hpu.platform import Platform, detect_platform
-from server.models.loader import (
-    load_int4_weights,
-    load_model,
-    load_model_config,
-    resolve_model_source,
-)
+from server.models.loader import load_model, load_model_config, resolve_model_source
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +40,19 @@ class LLMEngine:
     The model runner owns the device (weights, KV cache, graphs); the scheduler and block
     manager decide which sequences run; the input and output processors turn requests into
     sequences and sampled tokens into outputs.
+
+    ``on_fault``: called (from another thread) if a part of the engine outside the calling
+    thread dies while serving (a tensor-parallel worker rank); the engine is dead then.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_fault: FaultListener | None = None) -> None:
         torch.manual_seed(config.model.seed)
         platform = detect_platform(config.device.device)
         platform.prepare_process()
         # --tensor-parallel-size: the other ranks start first and load alongside this one
         self.executor: RankExecutor | None = None
         if config.parallel.tensor_parallel_size > 1:
-            self.executor = make_executor(config, platform)
+            self.executor = make_executor(config, platform, on_fault)
         try:
             self._build(config, platform)
         except BaseException:
@@ -86,21 +82,10 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             loaded.config.eos_token_ids)
-        # graphs: a prefill with context runs alone, in a prompt bucket with context blocks
-        static = platform.resolve_mode(config.device) is not ExecutionMode.EAGER
-        self.limits = SchedulerLimits.resolve(config.scheduler,
-                                              loaded.config.max_position_embeddings,
-                                              context_prefill_alone=static,
-                                              chunked_budget=platform.chunked_budget)
-        # A GGUF's own 4-bit codes, read only if the platform serves from them (whole
-        # matrices: not under tensor parallelism, whose ranks hold slices).
-        int4_weights = (functools.partial(load_int4_weights, source, loaded.config)
-                        if source.is_gguf and quantization != "none"
-                        and parallel.world_size == 1 else None)
-        self.runner = ModelRunner(config, platform, loaded, self.limits, self.eos_token_ids,
-                                  self.model_name, cache_dir, int4_weights, parallel)
-        if self.executor is not None:
-            self.runner.graphs = self.executor.driver_runner(self.runner.graphs)
+        self.runner = build_model_runner(
+            config, platform, source, loaded, parallel, self.eos_token_ids,
+            self.executor.broadcasting if self.executor is not None else None)
+        self.limits = self.runner.limits  # resolved once, as on every other rank
         block_size = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
@@ -281,11 +266,6 @@ class LLMEngine:
             bm.num_blocks, bm.usage, self.scheduler.num_preemptions,
             bm.stats.queries, bm.stats.hits,
         )
-
-    def on_fault(self, listener: Callable[[BaseException], None]) -> None:
-        """Calls ``listener`` (from another thread) when a tensor-parallel worker dies."""
-        if self.executor is not None:
-            self.executor.on_fault(listener)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stops the other tensor-parallel ranks: told to stop when ``graceful`` (call it

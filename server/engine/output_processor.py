@@ -75,7 +75,7 @@ class OutputProcessor:
         return ProcessedStep(outputs, finished, list(failed))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Marks every unfinished completion of a request aborted; returns its last output."""
+        """Marks every unfinished sequence of a request aborted; returns its last output."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None

@@ -6,25 +6,30 @@ They live in the device layer's own registry; the HTTP layer folds that registry
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
 from server.hpu.buckets.observed import ShapeStats
+from server.hpu.types import CompileLabel, Phase, Stage, SyncPoint
 
 # vLLM exposes no *_created series; neither do we (they double every counter).
 disable_created_metrics()
 
-# Step phases (server.hpu.types.Phase values) plus the sampler's own compilations.
-PHASES = ("prefill", "decode", "sampler")
+# Step phases plus the sampler's own compilations: the ``phase`` label values.
+PHASES: tuple[CompileLabel, ...] = (*Phase, SyncPoint.SAMPLER)
 
 
 class DeviceCounters:
-    """Counters for one engine; ``stage`` flips from ``warmup`` to ``serving`` when the
-    port is about to open."""
+    """Counters for one engine; the stage moves from warmup to serving (:meth:`serving`)
+    when the port is about to open, and back to warmup only while a bucket is added between
+    steps (:meth:`warming`)."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
-        self.stage = "warmup"
+        self._stage = Stage.WARMUP
         r = self.registry
         self._compilations = Counter(
             "hpu_serve:graph_compilations", "Graph compilations (torch.compile / HPU recipes).",
@@ -49,12 +54,12 @@ class DeviceCounters:
         self._kv_bytes = Gauge("hpu_serve:kv_cache_bytes", "Bytes of the allocated KV cache.",
                                ["model_name"], registry=r)
         for phase in PHASES:  # every series exists from the start, at zero
-            for stage in ("warmup", "serving"):
+            for stage in Stage:
                 self._compilations.labels(model_name, phase, stage)
             self._misses.labels(model_name, phase)
             self._padded.labels(model_name, phase)
             self._real.labels(model_name, phase)
-            if phase != "sampler":
+            if phase is not SyncPoint.SAMPLER:
                 self._added.labels(model_name, phase)
             for state in ("planned", "warmed", "captured"):
                 self._buckets.labels(model_name, phase, state)
@@ -69,31 +74,50 @@ class DeviceCounters:
         self._cache_info.labels(self.model_name, str(block_size), name, str(num_blocks)).set(1)
         self._kv_bytes.labels(self.model_name).set(num_bytes)
 
-    def compiled(self, phase: str, count: int = 1) -> None:
-        phase = str(phase)
-        self._compilations.labels(self.model_name, phase, self.stage).inc(count)
-        key = (phase, self.stage)
+    @property
+    def stage(self) -> Stage:
+        return self._stage
+
+    def serving(self) -> None:
+        """Warmup is over: compilations from now on count as serving."""
+        self._stage = Stage.SERVING
+
+    @contextmanager
+    def warming(self) -> Iterator[None]:
+        """Compilations inside count as warmup (a bucket added between steps), then the
+        stage is what it was."""
+        stage, self._stage = self._stage, Stage.WARMUP
+        try:
+            yield
+        finally:
+            self._stage = stage
+
+    def compiled(self, phase: CompileLabel, count: int = 1) -> None:
+        label = str(phase)
+        self._compilations.labels(self.model_name, label, str(self._stage)).inc(count)
+        key = (label, str(self._stage))
         self._totals[key] = self._totals.get(key, 0) + count
 
-    def compilations(self, phase: str | None = None, stage: str | None = None) -> int:
+    def compilations(self, phase: CompileLabel | str | None = None,
+                     stage: Stage | str | None = None) -> int:
         return sum(v for (p, s), v in self._totals.items()
-                   if (phase is None or p == phase) and (stage is None or s == stage))
+                   if (phase is None or p == str(phase)) and (stage is None or s == str(stage)))
 
-    def missed(self, phase: str) -> None:
+    def missed(self, phase: Phase) -> None:
         self._misses.labels(self.model_name, phase).inc()
 
-    def tokens(self, phase: str, real: int, padded: int) -> None:
+    def tokens(self, phase: Phase, real: int, padded: int) -> None:
         self._real.labels(self.model_name, phase).inc(real)
         self._padded.labels(self.model_name, phase).inc(padded)
 
-    def set_buckets(self, phase: str, state: str, count: int) -> None:
+    def set_buckets(self, phase: Phase, state: str, count: int) -> None:
         self._buckets.labels(self.model_name, phase, state).set(count)
 
-    def bucket_added(self, phase: str, planned: int) -> None:
+    def bucket_added(self, phase: Phase, planned: int) -> None:
         """One more bucket warmed while serving; ``planned``: the phase's buckets now."""
         self._added.labels(self.model_name, str(phase)).inc()
         for state in ("planned", "warmed"):
-            self.set_buckets(str(phase), state, planned)
+            self.set_buckets(phase, state, planned)
 
     def set_warmup_seconds(self, seconds: float) -> None:
         self._warmup_seconds.labels(self.model_name).set(seconds)

@@ -24,7 +24,7 @@ from server.hpu.graph_runner import (
     GraphRunner,
 )
 from server.hpu.platform import Platform
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, CompileLabel, Phase, SyncPoint
 
 T = TypeVar("T")
 
@@ -76,6 +76,10 @@ class HpuLazyRunner(GraphRunner):
     outside graphs (``bypass_hpu_graphs``). Compilations are read from the bridge's
     ``graph_compilation`` metric around each step."""
 
+    mode = ExecutionMode.GRAPHS  # or EAGER (lazy mode without graphs): set per instance
+    description = "HPU graphs"
+    captures_graphs = True
+
     def __init__(self, forward: ForwardFn, counters: DeviceCounters, use_graphs: bool) -> None:
         super().__init__(forward, counters)
         import habana_frameworks.torch as htorch
@@ -106,16 +110,16 @@ class HpuLazyRunner(GraphRunner):
     def run(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> torch.Tensor:
         return self._step(phase, inputs, use_graph=self.can_replay(phase, bucket))
 
-    def sync(self, phase: str) -> None:
+    def sync(self, point: SyncPoint) -> None:
         """Closes the lazy graph of the work issued since the last step (sampling)."""
-        self._counted(phase, lambda: None)
+        self._counted(point, lambda: None)
 
     def _step(self, phase: Phase, inputs: ForwardInputs, use_graph: bool) -> torch.Tensor:
         tensors, static = flatten_inputs(inputs)
         return self._counted(phase, lambda: self._module(tensors, static,
                                                           bypass_hpu_graphs=not use_graph))
 
-    def _counted(self, phase: str, work: Callable[[], T]) -> T:
+    def _counted(self, phase: CompileLabel, work: Callable[[], T]) -> T:
         before = self._compilations()
         out = work()
         self._mark_step()

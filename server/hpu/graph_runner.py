@@ -1,10 +1,13 @@
 """Executing the model on pre-planned shapes: one small interface, one backend per mode.
 
-``run(phase, bucket, inputs)`` executes a padded batch; ``warm`` compiles that shape ahead
-of serving and ``capture`` records a replayable device graph of it (runners that capture).
-The runner is handed the forward as a plain callable of :class:`ForwardInputs`: it knows
-nothing of models or requests. Platforms bring their own runners (``cuda.py``,
-``gaudi.py``); eager and ``torch.compile`` live here.
+:class:`ShapeRunner` is what the model runner and warmup call: ``run(phase, bucket,
+inputs)`` executes a padded batch; ``warm`` compiles that shape ahead of serving and
+``capture`` records a replayable device graph of it (runners that capture); its nature
+(mode, description, whether it needs warmup or captures) says how shapes become device work.
+:class:`GraphRunner` implements it for a forward given as a plain callable of
+:class:`ForwardInputs`: it knows nothing of models or requests. Platforms bring their own
+runners (``cuda.py``, ``gaudi.py``); eager and ``torch.compile`` live here. A runner may
+also wrap another (tensor parallelism's rank 0 has every rank run what it runs).
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from server.config import ExecutionMode
 from server.hpu.attention import AttentionMetadata
 from server.hpu.counters import DeviceCounters
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, Phase, SyncPoint
 
 logger = logging.getLogger(__name__)
 
@@ -39,22 +42,74 @@ class ForwardInputs:
 ForwardFn = Callable[[ForwardInputs], torch.Tensor]
 
 
-class GraphRunner(ABC):
-    """Runs ``forward`` for padded batches; subclasses decide how shapes become graphs."""
+class ShapeRunner(ABC):
+    """Runs padded batches on planned shapes: what the model runner and warmup call."""
 
-    mode: ClassVar[ExecutionMode]
-    # What the warmup log calls it ("CUDA graphs", "torch.compile (inductor)"...).
-    description: ClassVar[str]
-    # Whether running a shape the first time compiles something, so warmup must run every
-    # bucket before serving (false only for plain eager PyTorch).
-    needs_warmup: ClassVar[bool] = True
-    # Whether warmup should capture graphs (within VLLM_GRAPH_RESERVED_MEM) after warming.
-    captures_graphs: ClassVar[bool] = False
+    @property
+    @abstractmethod
+    def mode(self) -> ExecutionMode:
+        """The execution mode it implements."""
+
+    @property
+    @abstractmethod
+    def description(self) -> str:
+        """What the warmup log calls it ("CUDA graphs", "torch.compile (inductor)"...)."""
+
+    @property
+    @abstractmethod
+    def needs_warmup(self) -> bool:
+        """Whether running a shape the first time compiles something, so warmup must run
+        every bucket before serving (false only for plain eager PyTorch)."""
+
+    @property
+    @abstractmethod
+    def captures_graphs(self) -> bool:
+        """Whether warmup should capture graphs (within VLLM_GRAPH_RESERVED_MEM) after
+        warming."""
+
+    @property
+    @abstractmethod
+    def warmed(self) -> dict[Phase, set[Bucket]]:
+        """The buckets warmed so far, per phase."""
+
+    @abstractmethod
+    def run(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> torch.Tensor:
+        """Logits of a batch padded to ``bucket``."""
+
+    @abstractmethod
+    def warm(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
+        """Compile one bucket before serving."""
+
+    @abstractmethod
+    def capture(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
+        """Record a replayable graph of one bucket (only where ``captures_graphs``)."""
+
+    @abstractmethod
+    def can_replay(self, phase: Phase, bucket: Bucket) -> bool:
+        """Whether ``run`` replays a captured graph for this bucket."""
+
+    @abstractmethod
+    def sync(self, point: SyncPoint) -> None:
+        """Ends the device work issued since the last step (sampling, on a device that
+        queues ops lazily) and counts what that compiled under ``point``."""
+
+
+class GraphRunner(ShapeRunner):
+    """Runs ``forward`` for padded batches; subclasses decide how shapes become graphs,
+    and say so with class attributes ``mode`` and ``description`` (and ``needs_warmup``,
+    ``captures_graphs`` where they differ from these defaults)."""
+
+    needs_warmup = True
+    captures_graphs = False
 
     def __init__(self, forward: ForwardFn, counters: DeviceCounters) -> None:
         self.forward = forward
         self.counters = counters
-        self.warmed: dict[Phase, set[Bucket]] = {Phase.PREFILL: set(), Phase.DECODE: set()}
+        self._warmed: dict[Phase, set[Bucket]] = {Phase.PREFILL: set(), Phase.DECODE: set()}
+
+    @property
+    def warmed(self) -> dict[Phase, set[Bucket]]:
+        return self._warmed
 
     def warm(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
         """Compile one bucket before serving (running it once does that)."""
@@ -74,10 +129,10 @@ class GraphRunner(ABC):
         del phase, bucket
         return False
 
-    def sync(self, phase: str) -> None:
+    def sync(self, point: SyncPoint) -> None:
         """Ends the device work issued since the last step (sampling, on a device that
-        queues ops lazily) and counts what that compiled under ``phase``."""
-        del phase
+        queues ops lazily) and counts what that compiled under ``point``."""
+        del point
 
 
 class EagerRunner(GraphRunner):
@@ -96,6 +151,7 @@ class CompiledRunner(GraphRunner):
     counted when dynamo hands a graph to the backend (torch's own compile event)."""
 
     mode = ExecutionMode.COMPILE
+    description = "torch.compile (inductor)"
 
     def __init__(self, forward: ForwardFn, counters: DeviceCounters, backend: str = "inductor",
                  max_shapes: int = 512, regions: list[torch.nn.Module] | None = None) -> None:

@@ -7,6 +7,8 @@ kernels, ``server.hpu.cpu.layer_ops``); the model calls whichever it was given.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,7 @@ from server.hpu.attention import (
     write_kv,
 )
 from server.hpu.kv_cache import KVCache
+from server.hpu.types import DecodeLayout
 
 # cos, sin [T, 1, R] in the model dtype; R == D, or R < D for partial rotary embeddings
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -41,7 +44,7 @@ class TorchLayerOps:
 
     name = "torch"
     # Decode metadata this backend reads: the flat block list of vLLM's Gaudi backend.
-    decode_layout = "flat"
+    decode_layout: ClassVar[DecodeLayout] = DecodeLayout.FLAT
 
     def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
         """The engine's caches (``[blocks, Hkv, B, D]`` each) as this backend lays them out."""

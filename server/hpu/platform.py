@@ -43,7 +43,7 @@ class Platform:
     # what ``--execution-mode auto`` means here
     default_mode: ClassVar[ExecutionMode] = ExecutionMode.COMPILE
     # the step's token budget with chunked prefill when --max-num-batched-tokens is unset
-    chunked_budget: ClassVar[int] = MIN_BATCHED_TOKENS
+    default_max_num_batched_tokens: ClassVar[int] = MIN_BATCHED_TOKENS
     # modes this platform can run (AUTO is resolved first)
     supported_modes: ClassVar[frozenset[ExecutionMode]] = frozenset(
         {ExecutionMode.EAGER, ExecutionMode.COMPILE})

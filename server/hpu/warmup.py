@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from server.config import ExecutionMode, WarmupConfig
 from server.hpu.counters import DeviceCounters
-from server.hpu.graph_runner import ForwardInputs, GraphRunner
-from server.hpu.types import Bucket, Phase
+from server.hpu.graph_runner import ForwardInputs, ShapeRunner
+from server.hpu.types import Bucket, Phase, SyncPoint
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class WarmupHooks:
     free_memory: Callable[[], int]  # bytes free on the device (0 where unknown, e.g. CPU)
 
 
-def run_warmup(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner, hooks: WarmupHooks,
+def run_warmup(buckets: dict[Phase, Sequence[Bucket]], runner: ShapeRunner, hooks: WarmupHooks,
                counters: DeviceCounters, cfg: WarmupConfig) -> float:
     """Runs every bucket once (compiling it), captures graphs within the memory budget and
     warms the sampler; returns the seconds it took. Counters move to "serving" after."""
@@ -58,16 +58,17 @@ def run_warmup(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner, hook
         counters.set_buckets(phase, "planned", len(buckets[phase]))
     if cfg.skip:
         logger.info("Skipping warmup (VLLM_SKIP_WARMUP=true): shapes compile on first use")
-        counters.stage = "serving"
+        counters.serving()
         return 0.0
     if not runner.needs_warmup:
         # Nothing to compile or capture: running every bucket would only burn time.
         logger.info("Eager execution: no graphs to compile or capture, warmup skipped")
-        counters.stage = "serving"
+        counters.serving()
         return 0.0
     for phase in Phase:
         # Largest first, like the reference: the peak memory shows up at once.
-        ordered = sorted(buckets[phase], key=lambda b: (b[0] * max(b[1], b[2]), b), reverse=True)
+        ordered = sorted(buckets[phase], key=lambda b: (b.batch * max(b.query, b.blocks), b),
+                         reverse=True)
         for i, bucket in enumerate(ordered, 1):
             _log_step(_LABELS[phase], i, len(ordered), bucket, hooks)
             began = time.monotonic()
@@ -82,27 +83,27 @@ def run_warmup(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner, hook
     _warm_sampler(buckets, runner, hooks)
     seconds = time.monotonic() - start
     counters.set_warmup_seconds(seconds)
-    counters.stage = "serving"
+    counters.serving()
     logger.info("Warmup finished in %.0f secs, %d graph compilations", seconds,
                 counters.compilations(stage="warmup"))
     return seconds
 
 
 def _log_step(label: str, i: int, total: int, bucket: Bucket, hooks: WarmupHooks) -> None:
-    seq_len = bucket[1] if label.endswith("Prompt") else bucket[2]
+    seq_len = bucket.query if label.endswith("Prompt") else bucket.blocks
     logger.info("[Warmup][%s][%d/%d] batch_size:%d seq_len:%d free_mem:%.2f GiB", label, i,
-                total, bucket[0], seq_len, hooks.free_memory() / GiB)
+                total, bucket.batch, seq_len, hooks.free_memory() / GiB)
 
 
 def capture_order(buckets: Sequence[Bucket], strategy: str) -> list[Bucket]:
     """``min_tokens``: cheapest graphs first; ``max_bs``: largest batches first (decode
     under load runs at the maximum batch size)."""
     if strategy == "max_bs":
-        return sorted(buckets, key=lambda b: (-b[0], b[1] * b[2] or b[1]))
-    return sorted(buckets, key=lambda b: (b[0] * max(b[1], b[2]), b))
+        return sorted(buckets, key=lambda b: (-b.batch, b.query * b.blocks or b.query))
+    return sorted(buckets, key=lambda b: (b.batch * max(b.query, b.blocks), b))
 
 
-def _capture_graphs(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
+def _capture_graphs(buckets: dict[Phase, Sequence[Bucket]], runner: ShapeRunner,
                     hooks: WarmupHooks, counters: DeviceCounters, cfg: WarmupConfig) -> None:
     free = hooks.free_memory()
     budget = free * cfg.graph_reserved_mem
@@ -133,9 +134,9 @@ def _capture_graphs(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
                     len(captured), share, used / GiB, sorted(captured))
 
 
-def _warm_sampler(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
+def _warm_sampler(buckets: dict[Phase, Sequence[Bucket]], runner: ShapeRunner,
                   hooks: WarmupHooks) -> None:
-    sizes = [1] + sorted({b[0] for b in buckets[Phase.DECODE]} - {1})
+    sizes = [1] + sorted({b.batch for b in buckets[Phase.DECODE]} - {1})
     logger.info("Warming up sampler with batch sizes: %s and following configs:", sizes)
     for changed in (True, False):
         for temp, top_p, top_k in SAMPLER_CONFIGS:
@@ -145,5 +146,5 @@ def _warm_sampler(buckets: dict[Phase, Sequence[Bucket]], runner: GraphRunner,
     for bs in sizes:
         for config in distinct_sampler_paths(SAMPLER_CONFIGS):
             hooks.run_sampler(bs, config)
-            runner.sync("sampler")
+            runner.sync(SyncPoint.SAMPLER)
     logger.info("Sampler warmup completed successfully")

@@ -121,13 +121,12 @@ def test_health_turns_503_within_5_s_of_a_worker_death(tiny_model_factory) -> No
     from server.api.app import build_app
     from server.config import ServerConfig, make_engine_config
     from server.engine.async_engine import AsyncEngine
-    from server.engine.llm_engine import LLMEngine
 
     folder, _, _ = tiny_model_factory(num_kv_heads=1)
     config = make_engine_config(model=folder, dtype="float32", tensor_parallel_size=2,
                                 block_size=16, max_num_seqs=8, max_model_len=256)
     died: list[BaseException] = []
-    engine = AsyncEngine(lambda: LLMEngine(config), on_dead=died.append)
+    engine = AsyncEngine.from_config(config, on_dead=died.append)
     executor = engine.engine.executor
     assert executor is not None
     with TestClient(build_app(engine, ServerConfig())) as client:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -101,9 +102,9 @@ def test_load_warmup_and_steps_run_on_one_engine_thread(engine_config) -> None:
 
     threads: list[int] = []
 
-    def factory() -> LLMEngine:
+    def factory(on_fault: Callable[[BaseException], None]) -> LLMEngine:
         threads.append(threading.get_ident())
-        return LLMEngine(engine_config)
+        return LLMEngine(engine_config, on_fault)
 
     engine = AsyncEngine(factory)
     engine.call(lambda: threads.append(threading.get_ident()))  # how the CLI runs warmup

@@ -137,9 +137,9 @@ def test_max_model_len_beyond_the_budget_only_with_chunking() -> None:
     assert SchedulerLimits.resolve(default, 32768, True).max_num_batched_tokens == 2048
     assert SchedulerLimits.resolve(default, 32768, False).max_num_batched_tokens == 16384
     # the platform's budget replaces 2048 when chunking; the flag still wins
-    assert SchedulerLimits.resolve(default, 32768, True, chunked_budget=512
+    assert SchedulerLimits.resolve(default, 32768, True, default_max_num_batched_tokens=512
                                    ).max_num_batched_tokens == 512
-    assert SchedulerLimits.resolve(config, 32768, True, chunked_budget=256
+    assert SchedulerLimits.resolve(config, 32768, True, default_max_num_batched_tokens=256
                                    ).max_num_batched_tokens == 512
 
 
@@ -147,7 +147,7 @@ def test_cpu_serves_a_smaller_step_budget_by_default(tiny_model) -> None:
     """CPU steps are compute-bound: 512 tokens per step unless the flag says otherwise."""
     engine = LLM(tiny_model[0], dtype="float32").engine
     assert engine.limits.chunked_prefill and engine.limits.max_num_batched_tokens == 512
-    assert engine.runner.token_budget == 512
+    assert engine.runner.limits.max_num_batched_tokens == 512
     flagged = LLM(tiny_model[0], dtype="float32", max_num_batched_tokens=1024).engine
     assert flagged.limits.max_num_batched_tokens == 1024
 

@@ -8,12 +8,12 @@ import torch
 from server.config import ExecutionMode, WarmupConfig
 from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import EagerRunner, ForwardInputs, GraphRunner
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, Phase, Stage, SyncPoint
 from server.hpu.warmup import SAMPLER_CONFIGS, WarmupHooks, distinct_sampler_paths, run_warmup
 
 GiB = 1 << 30
-BUCKETS = {Phase.PREFILL: [(1, 128, 0), (2, 128, 0), (1, 256, 0)],
-           Phase.DECODE: [(1, 1, 4), (2, 1, 8), (4, 1, 16), (8, 1, 32)]}
+BUCKETS = {Phase.PREFILL: [Bucket(1, 128, 0), Bucket(2, 128, 0), Bucket(1, 256, 0)],
+           Phase.DECODE: [Bucket(1, 1, 4), Bucket(2, 1, 8), Bucket(4, 1, 16), Bucket(8, 1, 32)]}
 
 
 class CapturingRunner(GraphRunner):
@@ -94,3 +94,18 @@ def test_sampler_warms_each_code_path_once_per_batch_size() -> None:
     run_warmup(BUCKETS, runner, hooks(memory, sampled), runner.counters, WarmupConfig())
     assert sorted({bs for bs, _ in sampled}) == [1, 2, 4, 8]
     assert len(sampled) == 4 * len(paths)
+
+
+def test_a_bucket_added_while_serving_counts_as_warmup_then_serving_resumes() -> None:
+    counters = DeviceCounters("m")
+    counters.serving()
+    try:
+        with counters.warming():
+            counters.compiled(Phase.DECODE)
+            raise RuntimeError("the compile failed")
+    except RuntimeError:
+        pass
+    counters.compiled(SyncPoint.SAMPLER)
+    assert counters.stage is Stage.SERVING
+    assert counters.compilations(Phase.DECODE, Stage.WARMUP) == 1
+    assert counters.compilations("sampler", "serving") == 1  # the label values

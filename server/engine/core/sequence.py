@@ -19,9 +19,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One completion being generated: token ids, KV block table and stop state.
+    """One generation of a request: token ids, KV block table and stop state. Inside the
+    engine a generation is a sequence (the API's choice, vLLM's ``CompletionOutput``).
 
-    A request with ``n`` completions owns ``n`` sequences (``index`` 0..n-1). The KV cache
+    A request with ``n`` generations owns ``n`` sequences (``index`` 0..n-1). The KV cache
     holds every token but the last one once the sequence has run; the last token is the
     input of the next decode step.
     """

@@ -1,15 +1,16 @@
 """Tensor-parallel execution: rank 0 is the engine, ranks 1..N-1 are workers.
 
 The server process is rank 0: it owns the scheduler, builds each step's padded inputs,
-samples, and answers requests. An executor starts the other ranks: :class:`MultiprocExecutor`
-as spawned processes on this host (``--distributed-executor-backend mp``), ``RayExecutor``
-(ray_executor.py) as Ray actors, possibly on other hosts (``ray``). Whatever starts them,
-every worker runs :func:`serve_rank`: it joins rank 0's group, loads its slices of the
-weights (tensor_parallel.py), sizes the same KV cache and builds the same graph runner as
-rank 0, then waits for orders.
+samples, and answers requests. An executor starts the other ranks: ``MultiprocExecutor``
+(mp.py) as spawned processes on this host (``--distributed-executor-backend mp``),
+``RayExecutor`` (ray.py) as Ray actors, possibly on other hosts (``ray``). Whatever starts
+them, every worker runs :func:`serve_rank`: it joins rank 0's group, loads its slices of the
+weights (tensor_parallel.py) and builds its model runner through the same function as rank 0
+(``build_model_runner``: the same limits, KV cache and graph runner), then waits for orders.
 
-An order is one graph-runner call (``run``, ``warm`` or ``capture``) of rank 0, with the
-phase, the bucket and the step's :class:`ForwardInputs`, broadcast as one pickled object
+An order is one graph-runner call (:class:`Op` ``RUN``, ``WARM`` or ``CAPTURE``) of rank 0,
+with the phase, the bucket and the step's :class:`ForwardInputs`, broadcast as one pickled
+object
 (``broadcast_object_list``: a length, then the bytes). Sending the built inputs rather than
 the scheduled sequences keeps the workers stateless (nothing to keep in step with rank 0:
 no block tables, no sequences) and makes every rank run the very same bucket on the very
@@ -18,8 +19,9 @@ few KiB: token ids, positions, slot mapping, block lists), plus, on an accelerat
 to host memory and back. Every rank computes the gathered logits; only rank 0 samples.
 
 Lifecycle (:class:`RankExecutor`, shared by the backends): rank 0 watches the workers; one
-that dies ends the others and the engine (the server answers 503 and exits non-zero). A
-graceful shutdown sends a stop order, then kills what has not exited. mp workers ignore
+that dies ends the others and is reported to the fault listener the executor was built with
+(the engine's owner: the server answers 503 and exits non-zero). A graceful shutdown sends
+``Op.STOP``, then kills what has not exited. mp workers ignore
 SIGINT/SIGTERM (a signal sent to the whole process group must not kill them under a
 draining server) and exit when rank 0 is gone (their parent changes); Ray ends the actors of
 a driver that has gone.
@@ -28,6 +30,7 @@ a driver that has gone.
 from __future__ import annotations
 
 import atexit
+import enum
 import logging
 import threading
 import time
@@ -40,69 +43,93 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from server.cache_dir import writable_cache_dir
-from server.config import EngineConfig, SchedulerLimits
+from server.config import EngineConfig, ExecutionMode
+from server.engine.worker.builder import build_model_runner
 from server.engine.worker.model_runner import ModelRunner
 from server.hpu.distributed import ParallelContext, close_parallel, free_port, tensors_to
-from server.hpu.graph_runner import ForwardInputs, GraphRunner
+from server.hpu.graph_runner import ForwardInputs, ShapeRunner
 from server.hpu.platform import Platform, detect_platform
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, Phase, SyncPoint
 from server.models.loader import load_model, resolve_model_source
 
 logger = logging.getLogger(__name__)
 
-_STOP = "stop"
+# Called (from a monitor thread) with the fault when a worker rank dies while serving.
+FaultListener = Callable[[BaseException], None]
 _LOOPBACK = "127.0.0.1"
 # how long the start-up waits for every worker to reach the rendezvous
 _JOIN_TIMEOUT_S = 300.0
 _EXIT_GRACE_S = 10.0
 
 
+class Op(enum.Enum):
+    """What rank 0 tells the workers: repeat one graph-runner call, or stop."""
+
+    RUN = "run"
+    WARM = "warm"
+    CAPTURE = "capture"
+    STOP = "stop"  # broadcast alone, not inside an Order
+
+
 @dataclass(frozen=True, slots=True)
 class Order:
     """One graph-runner call rank 0 makes, for every rank to repeat."""
 
-    op: str  # "run", "warm" or "capture"
+    op: Op  # RUN, WARM or CAPTURE
     phase: Phase
     bucket: Bucket
     inputs: ForwardInputs
 
 
-class BroadcastingRunner(GraphRunner):
-    """Rank 0's graph runner: tells the workers what to run, then runs it itself."""
+class BroadcastingRunner(ShapeRunner):
+    """Rank 0's graph runner: tells the workers what to run, then runs it itself. Its
+    nature is the inner runner's."""
 
-    def __init__(self, inner: GraphRunner, parallel: ParallelContext) -> None:
-        super().__init__(inner.forward, inner.counters)
+    def __init__(self, inner: ShapeRunner, parallel: ParallelContext) -> None:
         self.inner = inner
         self.parallel = parallel
-        self.warmed = inner.warmed
-        # the inner runner's nature, per instance (class-level on GraphRunner)
-        self.mode = inner.mode  # type: ignore[misc]
-        self.description = inner.description  # type: ignore[misc]
-        self.needs_warmup = inner.needs_warmup  # type: ignore[misc]
-        self.captures_graphs = inner.captures_graphs  # type: ignore[misc]
 
-    def _order(self, op: str, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
+    @property
+    def mode(self) -> ExecutionMode:
+        return self.inner.mode
+
+    @property
+    def description(self) -> str:
+        return self.inner.description
+
+    @property
+    def needs_warmup(self) -> bool:
+        return self.inner.needs_warmup
+
+    @property
+    def captures_graphs(self) -> bool:
+        return self.inner.captures_graphs
+
+    @property
+    def warmed(self) -> dict[Phase, set[Bucket]]:
+        return self.inner.warmed
+
+    def _order(self, op: Op, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
         host = tensors_to(inputs, torch.device("cpu"))
         self.parallel.broadcast_object(Order(op, phase, bucket, host))
 
     def run(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> torch.Tensor:
-        self._order("run", phase, bucket, inputs)
+        self._order(Op.RUN, phase, bucket, inputs)
         return self.inner.run(phase, bucket, inputs)
 
     def warm(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
-        self._order("warm", phase, bucket, inputs)
+        self._order(Op.WARM, phase, bucket, inputs)
         self.inner.warm(phase, bucket, inputs)
 
     def capture(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
-        self._order("capture", phase, bucket, inputs)
+        self._order(Op.CAPTURE, phase, bucket, inputs)
         self.inner.capture(phase, bucket, inputs)
 
     def can_replay(self, phase: Phase, bucket: Bucket) -> bool:
         return self.inner.can_replay(phase, bucket)
 
-    def sync(self, phase: str) -> None:
-        self.inner.sync(phase)
+    def sync(self, point: SyncPoint) -> None:
+        self.inner.sync(point)
 
 
 class RankExecutor(ABC):
@@ -111,13 +138,15 @@ class RankExecutor(ABC):
     What is common to every backend lives here: the rendezvous (rank 0 hosts the TCP
     store, waits for every rank's ready key while checking that none has died), the
     monitor that turns a rank's death into an engine fault, and the stop protocol. A
-    backend says how ranks are started, watched and killed (the abstract methods)."""
+    backend says how ranks are started, watched and killed (the abstract methods).
+    ``on_fault`` is called (from the monitor thread) once if a worker dies while serving."""
 
-    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform,
+                 on_fault: FaultListener | None = None) -> None:
         par = config.parallel
         self.world_size = par.tensor_parallel_size
         self._stopping = False
-        self._fault_listeners: list[Callable[[BaseException], None]] = []
+        self._on_fault = on_fault
         self.fault: BaseException | None = None
         port = free_port()
         atexit.register(self.kill)  # never leave a worker behind, whatever happens
@@ -187,14 +216,9 @@ class RankExecutor(ABC):
                                    f"{_JOIN_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
-    def on_fault(self, listener: Callable[[BaseException], None]) -> None:
-        """Calls ``listener`` (from a monitor thread) if a worker dies while serving."""
-        self._fault_listeners.append(listener)
-        if self.fault is not None:
-            listener(self.fault)
-
-    def driver_runner(self, inner: GraphRunner) -> GraphRunner:
-        """Rank 0's graph runner, which has every rank run what it runs."""
+    def broadcasting(self, inner: ShapeRunner) -> ShapeRunner:
+        """Rank 0's graph runner, which has every rank run what it runs (given to rank 0's
+        model runner at construction)."""
         return BroadcastingRunner(inner, self.parallel)
 
     def _watch(self) -> None:
@@ -208,8 +232,8 @@ class RankExecutor(ABC):
         logger.critical("%s: stopping the other ranks", fault)
         self.fault = fault
         self.kill()  # a collective with a dead rank would never finish
-        for listener in list(self._fault_listeners):
-            listener(fault)
+        if self._on_fault is not None:
+            self._on_fault(fault)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stops every worker: a stop order when ``graceful`` and all are alive and idle
@@ -219,7 +243,7 @@ class RankExecutor(ABC):
         self._stopping = True
         if graceful and self.fault is None and self._exited_worker() is None:
             try:
-                self.parallel.broadcast_object(_STOP)
+                self.parallel.broadcast_object(Op.STOP)
             except Exception:  # noqa: BLE001 - the kill below still ends them
                 logger.warning("tensor-parallel stop order failed; killing the workers")
         self._join_workers(_EXIT_GRACE_S)
@@ -237,15 +261,11 @@ class RankExecutor(ABC):
 
 def build_worker_runner(config: EngineConfig, platform: Platform,
                         parallel: ParallelContext) -> ModelRunner:
-    """A worker rank's model runner: its slices, the same KV cache geometry and graph
-    runner as rank 0 (no tokenizer, no sampling)."""
+    """A worker rank's model runner: its slices, built as rank 0 builds its own (the same
+    limits, KV cache geometry and graph runner; no tokenizer, no sampling)."""
     source = resolve_model_source(config.model.model)
     loaded = load_model(source, config.model.dtype, platform.device, parallel)
-    limits = SchedulerLimits.resolve(config.scheduler, loaded.config.max_position_embeddings,
-                                     chunked_budget=platform.chunked_budget)
-    name = config.model.served_model_name or source.name
-    return ModelRunner(config, platform, loaded, limits, frozenset(), name,
-                       writable_cache_dir(config.cache_dir), None, parallel=parallel)
+    return build_model_runner(config, platform, source, loaded, parallel)
 
 
 def serve_rank(config: EngineConfig, rank: int, host: str, port: int, local_rank: int) -> None:
@@ -268,16 +288,16 @@ def serve_rank(config: EngineConfig, rank: int, host: str, port: int, local_rank
     with torch.inference_mode():
         while True:
             order = parallel.broadcast_object()
-            if order == _STOP:
+            if order is Op.STOP:
                 break
             assert isinstance(order, Order), order
             inputs = tensors_to(order.inputs, platform.device)
-            if order.op == "run":
+            if order.op is Op.RUN:
                 graphs.run(order.phase, order.bucket, inputs)
-                graphs.sync("sampler")
-            elif order.op == "warm":
+                graphs.sync(SyncPoint.SAMPLER)  # where rank 0 samples
+            elif order.op is Op.WARM:
                 graphs.warm(order.phase, order.bucket, inputs)
-            elif order.op == "capture":
+            elif order.op is Op.CAPTURE:
                 graphs.capture(order.phase, order.bucket, inputs)
             else:
                 raise ValueError(f"unknown order {order.op!r}")

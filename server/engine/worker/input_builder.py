@@ -18,7 +18,7 @@ from server.engine.core.sequence import Sequence
 from server.engine.sampling_params import SamplingParams
 from server.hpu.attention import AttentionMetadata
 from server.hpu.graph_runner import ForwardInputs
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, DecodeLayout, Phase
 
 # Additive mask value for unused slots of a block (finite: -inf - -inf would be NaN).
 _MASKED = -1e30
@@ -32,9 +32,8 @@ class InputBuilder:
     pad_block_id: int
     device: torch.device
     dtype: torch.dtype  # the model's: the one-hot block mapping is multiplied in it
-    # "flat" (block list + one-hot mapping) or "block_tables" (per-row tables): whichever
-    # the model's layer ops read.
-    decode_layout: str = "flat"
+    # whichever the model's layer ops read
+    decode_layout: DecodeLayout = DecodeLayout.FLAT
 
     def prefill(
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None,
@@ -79,7 +78,7 @@ class InputBuilder:
         logits_indices = (torch.arange(bs) * q + seq_lens - 1).clamp(min=0)
         meta = AttentionMetadata(True, block, slot_mapping.to(self.device))
         total = (context + seq_lens).clamp(min=1)
-        if self.decode_layout == "block_tables":
+        if self.decode_layout is DecodeLayout.BLOCK_TABLES:
             # Every token is a row of the paged-attention kernel: its sequence's table and
             # the keys up to itself (causal, cached prefix included); pad tokens see their
             # row's real keys.
@@ -141,7 +140,7 @@ class InputBuilder:
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None
     ) -> ForwardInputs:
         """Each sequence's last token; its KV blocks flattened into one block list."""
-        if self.decode_layout == "block_tables":
+        if self.decode_layout is DecodeLayout.BLOCK_TABLES:
             assert pad_to is None or pad_to[0] == len(seqs), "block tables are never padded"
             return self._decode_tables(seqs)
         block = self.block_size

@@ -3,7 +3,8 @@
 
 :class:`ModelRunner` is built once from the config: it prepares the loaded weights for the
 platform (layer ops, packed or quantized linears), sizes and allocates the KV cache, picks
-the graph runner of the execution mode and the bucket shapes, and warms them up.
+the graph runner of the execution mode and the bucket shapes, and warms them up. Build it
+with :func:`server.engine.worker.builder.build_model_runner`, as every rank does.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
 from server.hpu.buckets.plan import decode_buckets, format_plan, prefill_buckets, resolve_ranges
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE, ParallelContext
-from server.hpu.graph_runner import ForwardInputs
+from server.hpu.graph_runner import ForwardInputs, ShapeRunner
 from server.hpu.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
 from server.hpu.layer_ops import TorchLayerOps
 from server.hpu.platform import Platform
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, BucketLimits, DecodeLayout, Phase, SyncPoint
 from server.hpu.warmup import WarmupHooks, run_warmup
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import LoadedModel
@@ -62,8 +63,10 @@ class ModelRunner:
                  limits: SchedulerLimits, eos_token_ids: frozenset[int], model_name: str,
                  cache_dir: Path,
                  int4_weights: Callable[[], Mapping[str, Any]] | None = None,
-                 parallel: ParallelContext = SINGLE) -> None:
+                 parallel: ParallelContext = SINGLE,
+                 wrap_graphs: Callable[[ShapeRunner], ShapeRunner] | None = None) -> None:
         self.platform = platform
+        self.limits = limits
         self.model = loaded.model
         self.dtype = loaded.dtype
         self.eos_token_ids = eos_token_ids
@@ -98,19 +101,22 @@ class ModelRunner:
                                    self.kv_cache_bytes)
         self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
                                    loaded.dtype, ops.decode_layout)
-        self.graphs = platform.graph_runner(mode, ModelForward(loaded.model, self.kv_caches),
-                                            self.counters, loaded.model, config.device)
+        graphs: ShapeRunner = platform.graph_runner(
+            mode, ModelForward(loaded.model, self.kv_caches), self.counters, loaded.model,
+            config.device)
+        self.graphs = graphs if wrap_graphs is None else wrap_graphs(graphs)
         self.sampler = Sampler(ops.argmax)
         # Eager with per-row block tables: a prefill's tokens are packed back to back with
         # no padding, and decodes can ride in the same forward as prompt chunks (one
         # forward per step, the decode rows inside the chunk's large matmuls). Graphs and
         # the reference ops keep the padded [bs, q] grid of the buckets.
-        self.packs_tokens = not self.graphs.needs_warmup and ops.decode_layout == "block_tables"
+        self.packs_tokens = (not self.graphs.needs_warmup
+                             and ops.decode_layout is DecodeLayout.BLOCK_TABLES)
         self.warmup_config = config.warmup
-        self.token_budget = limits.max_num_batched_tokens
         ranges = resolve_ranges(
             config.bucketing, block_size=self.block_size, max_model_len=limits.max_model_len,
-            max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=self.token_budget,
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
             num_blocks=self.num_blocks,
             with_context=limits.chunked_prefill or config.cache.enable_prefix_caching)
         # Padding only pays where shapes are compiled or captured; plain eager PyTorch
@@ -121,20 +127,18 @@ class ModelRunner:
                                        self.counters)
             for line in format_plan(ranges).splitlines():
                 logger.info("%s", line)
+        bucket_limits = BucketLimits(limits.max_model_len, limits.max_num_seqs,
+                                     limits.max_num_batched_tokens, self.num_blocks)
         self.adaptive: AdaptiveBuckets | None = None
         if self.shapes is not None and config.bucketing.adaptive:
             b = config.bucketing
             self.adaptive = AdaptiveBuckets(
-                self.shapes, self.counters, self.block_size,
-                {"max_model_len": limits.max_model_len,
-                 "max_num_batched_tokens": self.token_budget},
+                self.shapes, self.counters, self.block_size, bucket_limits,
                 interval=b.adaptive_interval, min_saving=b.adaptive_min_saving,
                 max_added=b.adaptive_max_added)
         self._free_after_warmup = 0
         self.counters.observed.describe(
-            block_size=self.block_size,
-            limits={"max_model_len": limits.max_model_len, "max_num_seqs": limits.max_num_seqs,
-                    "max_num_batched_tokens": self.token_budget, "num_blocks": self.num_blocks},
+            block_size=self.block_size, limits=bucket_limits,
             plan=self.shapes.buckets if self.shapes is not None else None,
             static_shapes=self.graphs.needs_warmup)
 
@@ -145,8 +149,8 @@ class ModelRunner:
     def prefill_fits(self, num_seqs: int, max_tokens: int) -> bool:
         """Whether a prefill of this many sequences, the longest ``max_tokens`` long, still
         has a bucket within the step's token budget once padded."""
-        return self.shapes is None or self.shapes.prefill_fits(num_seqs, max_tokens,
-                                                               self.token_budget)
+        return self.shapes is None or self.shapes.prefill_fits(
+            num_seqs, max_tokens, self.limits.max_num_batched_tokens)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -164,7 +168,7 @@ class ModelRunner:
             # with graphs the bucket fixes the context width (and whether there is one);
             # eager execution follows the data
             inputs = self.inputs.prefill(seqs, pad_to, new_tokens,
-                                         bucket[2] if self.graphs.needs_warmup else None)
+                                         bucket.blocks if self.graphs.needs_warmup else None)
         else:
             inputs = self.inputs.decode(seqs, pad_to)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
@@ -178,7 +182,7 @@ class ModelRunner:
         sampling = SamplingTensors.build(sampled, self.vocab_size, self.eos_token_ids,
                                          self.platform.device, token_bitmask)
         out = self.sampler(logits, sampling)
-        self.graphs.sync("sampler")
+        self.graphs.sync(SyncPoint.SAMPLER)
         return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled))
 
     def _bucket(self, phase: Phase, seqs: list[Sequence], new_tokens: list[int]) -> Bucket:
@@ -222,15 +226,11 @@ class ModelRunner:
         if self.graphs.captures_graphs and not capture:
             # graph memory spent: a bucket that cannot be captured is not worth a stall
             return
-        stage, self.counters.stage = self.counters.stage, "warmup"  # counted as warmup
         began = time.monotonic()
-        try:
-            with torch.inference_mode():
-                self.graphs.warm(phase, bucket, self.inputs.dummy(phase, bucket))
-                if capture:
-                    self.graphs.capture(phase, bucket, self.inputs.dummy(phase, bucket))
-        finally:
-            self.counters.stage = stage
+        with self.counters.warming(), torch.inference_mode():  # counted as warmup
+            self.graphs.warm(phase, bucket, self.inputs.dummy(phase, bucket))
+            if capture:
+                self.graphs.capture(phase, bucket, self.inputs.dummy(phase, bucket))
         self.counters.observed.warmed(phase, bucket, time.monotonic() - began)
         self.adaptive.added(phase, bucket)
 

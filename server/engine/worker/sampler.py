@@ -260,7 +260,7 @@ def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
     if seed is None:
         return None
     if seq.generator is None:
-        # Completion i of an n>1 request needs its own stream; index 0 keeps the plain seed.
+        # Sequence i of an n>1 request needs its own stream; index 0 keeps the plain seed.
         mixed = seed if seq.index == 0 else hash((seed, seq.index)) & ((1 << 63) - 1)
         seq.generator = torch.Generator(device=device).manual_seed(mixed)
     return seq.generator

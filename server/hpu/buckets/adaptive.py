@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from server.hpu.buckets.fit import KV_WEIGHT, Observed, WarmupModel, evaluate
 from server.hpu.buckets.lookup import ShapePlanner, smallest_dominating
 from server.hpu.counters import DeviceCounters
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, BucketLimits, Phase
 
 logger = logging.getLogger(__name__)
 CANDIDATES_PER_PHASE = 6
@@ -29,12 +29,12 @@ class AdaptiveBuckets:
     """Decides which bucket to add next; the engine warms it (see the module docstring)."""
 
     def __init__(self, planner: ShapePlanner, counters: DeviceCounters, block_size: int,
-                 limits: Mapping[str, int], interval: int = 256, min_saving: float = 0.01,
+                 limits: BucketLimits, interval: int = 256, min_saving: float = 0.01,
                  max_added: int = 32, kv_weight: float = KV_WEIGHT) -> None:
         self.planner = planner
         self.counters = counters
         self.block_size = block_size
-        self.limits = dict(limits)
+        self.limits = limits
         self.interval = interval
         self.min_saving = min_saving
         self.max_added = max_added
@@ -92,20 +92,20 @@ class AdaptiveBuckets:
                 cand = self._rounded(phase, shape)
                 if cand is None or cand in buckets:
                     continue
-                rows = (landed[0] * landed[1] - cand[0] * cand[1] if phase is Phase.PREFILL
-                        else landed[0] - cand[0])
-                kv = self.kv_weight * self.block_size * (landed[2] - cand[2])
+                rows = (landed.batch * landed.query - cand.batch * cand.query
+                        if phase is Phase.PREFILL else landed.batch - cand.batch)
+                kv = self.kv_weight * self.block_size * (landed.blocks - cand.blocks)
                 waste.append((n * (rows + kv), cand))
             waste.sort(reverse=True)
             out += [(phase, c) for _, c in waste[:CANDIDATES_PER_PHASE]]
         return out
 
     def _rounded(self, phase: Phase, shape: Bucket) -> Bucket | None:
-        bs, q, ctx = shape
         if phase is Phase.DECODE:
             return shape
-        q = -(-q // self.block_size) * self.block_size
-        if q > self.limits.get("max_model_len", q) or (
-                bs * q > self.limits.get("max_num_batched_tokens", bs * q)):
+        q = -(-shape.query // self.block_size) * self.block_size
+        max_len, max_tokens = self.limits.max_model_len, self.limits.max_num_batched_tokens
+        if (max_len is not None and q > max_len) or (
+                max_tokens is not None and shape.batch * q > max_tokens):
             return None  # the engine would drop such a bucket
-        return (bs, q, ctx)
+        return shape._replace(query=q)

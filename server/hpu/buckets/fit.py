@@ -48,7 +48,7 @@ import numpy as np
 
 from server.hpu.buckets.lookup import smallest_dominating
 from server.hpu.buckets.observed import FORMAT
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, BucketLimits, Phase
 
 # A padded KV position in padded query tokens (--kv-weight): a padded query token runs
 # through every layer's matmuls, a padded KV position is only read by attention; 1/256
@@ -71,7 +71,7 @@ class Observed:
     shapes: dict[Phase, dict[Bucket, int]]
     real_tokens: dict[Phase, int]
     warmup: dict[Phase, dict[Bucket, float]] = field(default_factory=dict)
-    limits: dict[str, int] | None = None
+    limits: BucketLimits | None = None
     plan: dict[Phase, list[Bucket]] | None = None
     static_shapes: bool = True  # recorded by an engine scheduling for graphs (not eager)
 
@@ -88,15 +88,17 @@ class Observed:
                     # an eager engine batches prefills after a context; graphs run each
                     # alone (bs 1): count them as that many steps of the batch's extent
                     bs, n = 1, n * bs
-                shapes[p][(bs, q, ctx)] = shapes[p].get((bs, q, ctx), 0) + n
+                shape = Bucket(bs, q, ctx)
+                shapes[p][shape] = shapes[p].get(shape, 0) + n
+        limits = doc.get("limits")
         return cls(
             block_size=int(doc["block_size"]),
             shapes=shapes,
             real_tokens={p: int(phases[str(p)]["real_tokens"]) for p in Phase},
-            warmup={p: {(w[0], w[1], w[2]): float(w[3])
+            warmup={p: {Bucket(w[0], w[1], w[2]): float(w[3])
                         for w in doc.get("warmup_seconds", {}).get(str(p), [])} for p in Phase},
-            limits=doc.get("limits"),
-            plan=None if plan is None else {p: [tuple(b) for b in plan[str(p)]] for p in Phase},
+            limits=None if limits is None else BucketLimits.from_json(limits),
+            plan=None if plan is None else {p: [Bucket(*b) for b in plan[str(p)]] for p in Phase},
             static_shapes=bool(doc.get("static_shapes", True)),
         )
 
@@ -130,7 +132,7 @@ class WarmupModel:
 
 
 def _work(phase: Phase, b: Bucket) -> int:
-    return b[0] * b[1] if phase is Phase.PREFILL else b[0] * b[2]
+    return b.batch * b.query if phase is Phase.PREFILL else b.batch * b.blocks
 
 
 @dataclass(slots=True)
@@ -169,7 +171,7 @@ def evaluate(obs: Observed, plan: Mapping[Phase, Sequence[Bucket]],
                 missed_real += n * _tokens(phase, shape)
                 continue
             run_tokens += n * _tokens(phase, b)
-            kv_blocks += n * (b[2] - shape[2])
+            kv_blocks += n * (b.blocks - shape.blocks)
         padded[phase] = max(0, run_tokens + missed_real - obs.real_tokens[phase])
         kv[phase], misses[phase] = kv_blocks, missed
     return PlanCost({p: len(set(plan.get(p, ()))) for p in Phase}, padded, kv, misses,
@@ -177,7 +179,7 @@ def evaluate(obs: Observed, plan: Mapping[Phase, Sequence[Bucket]],
 
 
 def _tokens(phase: Phase, b: Bucket) -> int:
-    return b[0] * b[1] if phase is Phase.PREFILL else b[0]
+    return b.batch * b.query if phase is Phase.PREFILL else b.batch
 
 
 def optimal_cuts(values: Sequence[int], weights: Sequence[float], max_k: int
@@ -242,13 +244,13 @@ class _Group:
 def _groups(obs: Observed, kv_weight: float, cover_limits: bool,
             query_step: int) -> list[_Group]:
     B = obs.block_size
-    lim = obs.limits if cover_limits and obs.limits else {}
+    lim = obs.limits if cover_limits and obs.limits else BucketLimits()
     # the largest value each dimension can take within the engine's limits (when known)
-    query_top = min(lim.get("max_num_batched_tokens", 0), lim.get("max_model_len", 0))
-    per_seq = -(-lim.get("max_model_len", 0) // B)
-    blocks_top = lim.get("max_num_seqs", 0) * per_seq
-    if lim.get("num_blocks"):
-        blocks_top = min(blocks_top, 3 * lim["num_blocks"])  # the reference's clamp
+    query_top = min(lim.max_num_batched_tokens or 0, lim.max_model_len or 0)
+    per_seq = -(-(lim.max_model_len or 0) // B)
+    blocks_top = (lim.max_num_seqs or 0) * per_seq
+    if lim.num_blocks:
+        blocks_top = min(blocks_top, 3 * lim.num_blocks)  # the reference's clamp
     out = []
     prompt = [(*s, n) for s, n in obs.shapes[Phase.PREFILL].items()]
     for with_ctx in (False, True):
@@ -257,24 +259,25 @@ def _groups(obs: Observed, kv_weight: float, cover_limits: bool,
             dims = (1, 2) if with_ctx else (0, 1)
             tops = {1: query_top // query_step * query_step, 2: max(per_seq - 1, 0)}
             out.append(_fit_group(Phase.PREFILL, dims, rows, B, kv_weight, tops, query_step,
-                                  (obs.limits or {}).get("max_num_batched_tokens")))
+                                  obs.limits.max_num_batched_tokens if obs.limits else None))
     rows = np.array([(*s, n) for s, n in obs.shapes[Phase.DECODE].items()], dtype=np.int64)
     if len(rows):
-        tops = {0: lim.get("max_num_seqs", 0), 2: blocks_top}
+        tops = {0: lim.max_num_seqs or 0, 2: blocks_top}
         out.append(_fit_group(Phase.DECODE, (0, 2), rows, B, kv_weight, tops))
     return out
 
 
 def _fit_group(phase: Phase, dims: tuple[int, int], rows: np.ndarray, B: int,
                kv_weight: float, tops: Mapping[int, int], query_step: int = 1,
-               token_budget: int | None = None) -> _Group:
+               max_num_batched_tokens: int | None = None) -> _Group:
     """Candidate cuts per dimension; ``tops``: per dimension, a value the largest cut must
     reach (the engine's limit) even if no step was that large."""
     if phase is Phase.PREFILL:  # query cuts are multiples of the query step...
         rows = rows.copy()
         aligned = -(-rows[:, 1] // query_step) * query_step
-        if token_budget:  # ...unless that would take the batch past the step's budget
-            aligned = np.maximum(rows[:, 1], np.minimum(aligned, token_budget // rows[:, 0]))
+        if max_num_batched_tokens:  # ...unless that would take the batch past the budget
+            aligned = np.maximum(rows[:, 1],
+                                 np.minimum(aligned, max_num_batched_tokens // rows[:, 0]))
         rows[:, 1] = aligned
     cuts = []
     for d in dims:
@@ -295,7 +298,7 @@ def _fit_group(phase: Phase, dims: tuple[int, int], rows: np.ndarray, B: int,
     return _Group(phase, dims, rows, cuts)
 
 
-def _landing(group: _Group, ks: tuple[int, int], limits: Mapping[str, int] | None,
+def _landing(group: _Group, ks: tuple[int, int], limits: BucketLimits | None,
              block_size: int, query_step: int) -> np.ndarray:
     """Per shape, the bucket it lands in for ``ks`` cuts per dimension (valid ones)."""
     s = group.shapes
@@ -305,17 +308,17 @@ def _landing(group: _Group, ks: tuple[int, int], limits: Mapping[str, int] | Non
         out[:, d] = cuts[np.searchsorted(cuts, s[:, d], side="left")]
     if group.phase is Phase.DECODE:
         out[:, 2] = np.maximum(out[:, 2], out[:, 0])  # the engine drops rows > blocks
-        if limits and "max_model_len" in limits and block_size:
+        if limits and limits.max_model_len is not None and block_size:
             # nor can a batch hold more than full-length tables (the engine caps it too)
-            per_seq = -(-limits["max_model_len"] // block_size)
+            per_seq = -(-limits.max_model_len // block_size)
             out[:, 2] = np.minimum(out[:, 2], out[:, 0] * per_seq)
     elif limits:
         # beyond the step's token budget or the model length: fall back to the shape's own
         # batch size, then to the longest step-aligned query that batch size allows (one
         # bucket per batch size, not one per shape)
-        if "max_model_len" in limits:
-            out[:, 1] = np.minimum(out[:, 1], limits["max_model_len"])
-        budget = limits.get("max_num_batched_tokens", 1 << 62)
+        if limits.max_model_len is not None:
+            out[:, 1] = np.minimum(out[:, 1], limits.max_model_len)
+        budget = _or_unbounded(limits.max_num_batched_tokens)
         over = out[:, 0] * out[:, 1] > budget
         out[over, 0] = s[over, 0]
         over = out[:, 0] * out[:, 1] > budget
@@ -350,16 +353,18 @@ def suggest(obs: Observed, *, max_buckets: int | None = None,
             q = land[:, 1] if g.phase is Phase.PREFILL else np.ones(len(land), dtype=np.int64)
             cost = float((n * land[:, 0] * q).sum() + kv_weight * B *
                          (n * (land[:, 2] - g.shapes[:, 2])).sum())
-            buckets = dict.fromkeys(tuple(int(x) for x in b) for b in np.unique(land, axis=0))
+            buckets = dict.fromkeys(Bucket(*(int(x) for x in b))
+                                    for b in np.unique(land, axis=0))
             # the group's corner too: any later shape inside the observed envelope fits
             top = [int(land[:, d].max()) for d in range(3)]
             for axis, d in enumerate(g.dims):
                 top[d] = max(top[d], g.cuts[axis][ks[axis] - 1][-1])
-            if g.phase is Phase.DECODE and obs.limits and "max_model_len" in obs.limits:
-                top[2] = min(top[2], top[0] * -(-obs.limits["max_model_len"] // B))
-            corner = (top[0], top[1], top[2])
-            if g.phase is Phase.DECODE or corner[0] * corner[1] <= (obs.limits or {}).get(
-                    "max_num_batched_tokens", 1 << 62):
+            if (g.phase is Phase.DECODE and obs.limits
+                    and obs.limits.max_model_len is not None):
+                top[2] = min(top[2], top[0] * -(-obs.limits.max_model_len // B))
+            corner = Bucket(top[0], top[1], top[2])
+            if g.phase is Phase.DECODE or corner.batch * corner.query <= _or_unbounded(
+                    obs.limits.max_num_batched_tokens if obs.limits else None):
                 buckets[corner] = None
             secs = sum(warmup.seconds(g.phase, b) for b in buckets)
             cache[key] = (cost, buckets, secs)
@@ -402,6 +407,11 @@ def suggest(obs: Observed, *, max_buckets: int | None = None,
     for gi, g in enumerate(groups):
         plan[g.phase] += list(state(gi, ks[gi])[1])
     return {p: sorted(set(b)) for p, b in plan.items()}
+
+
+def _or_unbounded(max_num_batched_tokens: int | None) -> int:
+    """The step's token budget, or no bound where the document does not say."""
+    return 1 << 62 if max_num_batched_tokens is None else max_num_batched_tokens
 
 
 def format_bucket_file(plan: Mapping[Phase, Sequence[Bucket]], header: str = "") -> str:

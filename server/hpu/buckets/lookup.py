@@ -15,16 +15,17 @@ logger = logging.getLogger(__name__)
 class ShapePlanner:
     """Pads batches to warmed-up buckets and counts the batches that fit none.
 
-    Prompt buckets are ``(bs, query_len, ctx_blocks)`` (ctx 0 without prefix caching and
-    chunked prefill);
-    decode buckets ``(bs, 1, total_blocks_of_batch)``. A batch beyond every bucket runs at
-    its exact shape, is logged once per shape as not warmed up, and counted as a miss.
+    Buckets are :class:`Bucket` ``(batch, query, blocks)``: prompt buckets have the
+    context blocks (0 without prefix caching and chunked prefill), decode buckets query 1
+    and the batch's total blocks. A batch beyond every bucket runs at its exact shape, is
+    logged once per shape as not warmed up, and counted as a miss.
     """
 
     def __init__(self, prompt: Sequence[Bucket], decode: Sequence[Bucket],
                  counters: DeviceCounters) -> None:
-        self.buckets: dict[Phase, list[Bucket]] = {Phase.PREFILL: sorted(prompt),
-                                                   Phase.DECODE: sorted(decode)}
+        self.buckets: dict[Phase, list[Bucket]] = {
+            Phase.PREFILL: sorted(Bucket(*b) for b in prompt),
+            Phase.DECODE: sorted(Bucket(*b) for b in decode)}
         self.counters = counters
         self._warned: set[Bucket] = set()
 
@@ -33,11 +34,12 @@ class ShapePlanner:
         reference implementation picks it (smallest batch first, not least padding)."""
         return smallest_dominating(self.buckets[phase], exact_bucket(phase, bs, size, ctx))
 
-    def prefill_fits(self, num_seqs: int, max_tokens: int, token_budget: int) -> bool:
+    def prefill_fits(self, num_seqs: int, max_tokens: int,
+                     max_num_batched_tokens: int) -> bool:
         """Padding-aware admission: the padded batch must have a bucket, and its padded
-        token count (bs * query) must fit the step's token budget."""
+        token count (batch * query) must fit the step's token budget."""
         bucket = self.find(Phase.PREFILL, num_seqs, max_tokens)
-        return bucket is not None and bucket[0] * bucket[1] <= token_budget
+        return bucket is not None and bucket.batch * bucket.query <= max_num_batched_tokens
 
     def pad(self, phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:
         """The bucket to run a batch of ``bs`` rows and ``size`` (prompt length or total
@@ -67,9 +69,10 @@ def smallest_dominating(buckets: Sequence[Bucket], target: Bucket) -> Bucket | N
 def exact_bucket(phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:
     """The bucket of exactly this shape: ``size`` is the prompt length or total blocks,
     ``ctx`` the prompts' context blocks."""
-    return (bs, size, ctx) if phase is Phase.PREFILL else (bs, 1, size)
+    return Bucket(bs, size, ctx) if phase is Phase.PREFILL else Bucket(bs, 1, size)
 
 
 def padded_size(phase: Phase, bucket: Bucket) -> tuple[int, int]:
     """(rows, prompt length or total blocks) that a batch in ``bucket`` is padded to."""
-    return (bucket[0], bucket[1]) if phase is Phase.PREFILL else (bucket[0], bucket[2])
+    return ((bucket.batch, bucket.query) if phase is Phase.PREFILL
+            else (bucket.batch, bucket.blocks))

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from server.hpu.types import Bucket, Phase
+from server.hpu.types import Bucket, BucketLimits, Phase
 
 FORMAT = "hpu-serve/observed-shapes/v1"
 # powers of two up to 128k: batch sizes, query tokens and KV blocks all fit
@@ -71,7 +71,7 @@ class ShapeStats:
                 self._sizes.labels(model_name, str(phase), dim)
             self._warm_seconds.labels(model_name, str(phase))
 
-    def describe(self, *, block_size: int, limits: Mapping[str, int],
+    def describe(self, *, block_size: int, limits: BucketLimits,
                  plan: Mapping[Phase, Sequence[Bucket]] | None,
                  static_shapes: bool = True) -> None:
         """What the JSON dump carries besides counts: the block size, the engine limits,
@@ -79,7 +79,7 @@ class ShapeStats:
         whether the engine schedules for static shapes (graphs, compile) or eagerly: an
         eager engine batches prefills that graphs would run apart, so its shapes are not
         the ones a plan will meet."""
-        self._context = {"block_size": block_size, "limits": dict(limits),
+        self._context = {"block_size": block_size, "limits": limits.to_json(),
                          "static_shapes": static_shapes}
         self._plan = plan  # kept by reference: buckets added while serving show up too
 
@@ -92,7 +92,7 @@ class ShapeStats:
             if shape not in counts and len(counts) >= self.max_shapes:
                 # full: count it on the coarse grid (rounded up, so still covered)
                 self._coarsened[phase] += 1
-                shape = (round_up_log(shape[0]), round_up_log(shape[1]), round_up_log(shape[2]))
+                shape = Bucket(*map(round_up_log, shape))
             counts[shape] = counts.get(shape, 0) + 1
             self._real[phase] += real_tokens
 

@@ -1,12 +1,12 @@
 """Bucket planning as pure functions (no torch): which padded shapes get warmed up.
 
-A bucket is ``(batch_size, query_len, ctx_blocks)``. Prompt buckets have ``query_len`` a
-multiple of the block size and ``ctx_blocks`` the context the queries follow in the cache (a
-cached prefix, earlier chunks of the prompt); without prefix caching and chunked prefill it is
-always 0, and a prefill with context runs alone (``batch_size == 1``), as in vLLM's Gaudi
-backend, which found padding a group to its longest context too costly. Decode buckets have
-``query_len == 1`` and ``ctx_blocks`` = total KV blocks of the whole batch. Ranges and
-defaults follow vLLM's Gaudi backend (exponential by default, linear, or an explicit file).
+A bucket is a :class:`~server.hpu.types.Bucket` ``(batch, query, blocks)``. Prompt buckets
+have ``query`` a multiple of the block size and ``blocks`` the context the queries follow in
+the cache (a cached prefix, earlier chunks of the prompt); without prefix caching and chunked
+prefill it is always 0, and a prefill with context runs alone (``batch == 1``), as in vLLM's
+Gaudi backend, which found padding a group to its longest context too costly. Decode buckets
+have ``query == 1`` and ``blocks`` = total KV blocks of the whole batch. Ranges and defaults
+follow vLLM's Gaudi backend (exponential by default, linear, or an explicit file).
 """
 
 from __future__ import annotations
@@ -132,20 +132,21 @@ def _range(cfg: BucketRanges, r: DimRange) -> list[int]:
 
 def prefill_buckets(cfg: BucketRanges) -> list[Bucket]:
     if cfg.file:
-        return [b for b in parse_bucket_file(cfg.file) if b[1] != 1 and _prefill_ok(cfg, b)]
+        return [b for b in parse_bucket_file(cfg.file)
+                if b.query != 1 and _prefill_ok(cfg, b)]
     contexts = _range(cfg, cfg.prompt["ctx"]) if cfg.with_context else [0]
     candidates = product(_range(cfg, cfg.prompt["bs"]), _range(cfg, cfg.prompt["seq"]),
                          sorted(set(contexts) | {0}))
-    return sorted(b for b in candidates if _prefill_ok(cfg, b))
+    return sorted(b for b in map(Bucket._make, candidates) if _prefill_ok(cfg, b))
 
 
 def decode_buckets(cfg: BucketRanges) -> list[Bucket]:
     if cfg.file:
-        found = [b for b in parse_bucket_file(cfg.file) if b[1] == 1]
-        return sorted({_cap_decode(cfg, b) for b in found if b[0] <= b[2]})
+        found = [b for b in parse_bucket_file(cfg.file) if b.query == 1]
+        return sorted({_cap_decode(cfg, b) for b in found if b.batch <= b.blocks})
     bss = _range(cfg, cfg.decode["bs"])
     blocks = _range(cfg, cfg.decode["block"])
-    out = {_cap_decode(cfg, (bs, 1, blk)) for bs, blk in product(bss, blocks) if bs <= blk}
+    out = {_cap_decode(cfg, Bucket(bs, 1, blk)) for bs, blk in product(bss, blocks) if bs <= blk}
     return sorted(out)
 
 
@@ -161,7 +162,7 @@ def _prefill_ok(cfg: BucketRanges, b: Bucket) -> bool:
 def _cap_decode(cfg: BucketRanges, b: Bucket) -> Bucket:
     # A batch of bs sequences can never reference more than bs full-length tables.
     bs, q, blocks = b
-    return (bs, q, min(blocks, bs * math.ceil(cfg.max_model_len / cfg.block_size)))
+    return Bucket(bs, q, min(blocks, bs * math.ceil(cfg.max_model_len / cfg.block_size)))
 
 
 _RANGE = re.compile(r"range\(\s*(-?\d+)\s*,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)")
@@ -185,7 +186,7 @@ def parse_bucket_file(path: str) -> list[Bucket]:
                 raise ValueError("expected (bs, query, ctx) with non-negative integers")
         except (ValueError, SyntaxError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: bad bucket line {raw.strip()!r}: {exc}") from None
-        buckets.update(product(*dims))  # type: ignore[arg-type]
+        buckets.update(Bucket(*b) for b in product(*dims))
     return sorted(buckets)
 
 

@@ -46,14 +46,16 @@ def reference_plan(obs: Observed, strategy: str = "exp") -> dict[Phase, list[Buc
     """The plan the static ``strategy`` (exp: the default, or lin) gives the observed
     server's limits, with a context dimension if any observed prefill had context or the
     server's own plan has one (prefix caching or chunked prefill on)."""
-    if not obs.limits:
+    lim = obs.limits
+    if (lim is None or lim.max_model_len is None or lim.max_num_seqs is None
+            or lim.max_num_batched_tokens is None):
         raise ValueError("the observed document has no engine limits to plan for")
     ranges = resolve_ranges(
         BucketingConfig(strategy=strategy), block_size=obs.block_size,
-        max_model_len=obs.limits["max_model_len"], max_num_seqs=obs.limits["max_num_seqs"],
-        max_num_batched_tokens=obs.limits["max_num_batched_tokens"],
-        with_context=any(s[2] > 0 for s in obs.shapes[Phase.PREFILL]) or any(
-            b[2] > 0 for b in (obs.plan or {}).get(Phase.PREFILL, ())))
+        max_model_len=lim.max_model_len, max_num_seqs=lim.max_num_seqs,
+        max_num_batched_tokens=lim.max_num_batched_tokens,
+        with_context=any(s.blocks > 0 for s in obs.shapes[Phase.PREFILL]) or any(
+            b.blocks > 0 for b in (obs.plan or {}).get(Phase.PREFILL, ())))
     return {Phase.PREFILL: prefill_buckets(ranges), Phase.DECODE: decode_buckets(ranges)}
 
 

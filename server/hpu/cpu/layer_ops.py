@@ -13,6 +13,7 @@ import torch
 from server.hpu.attention import AttentionMetadata
 from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import Rope, TorchLayerOps
+from server.hpu.types import DecodeLayout
 
 
 class FusedCpuLayerOps(TorchLayerOps):
@@ -21,7 +22,7 @@ class FusedCpuLayerOps(TorchLayerOps):
 
     name = "fused-cpu"
     # Decode metadata: per-row block tables and lengths, read in place by the kernel.
-    decode_layout = "block_tables"
+    decode_layout = DecodeLayout.BLOCK_TABLES
     dtypes = (torch.float32, torch.bfloat16)  # what the kernels are compiled for
 
     def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None,

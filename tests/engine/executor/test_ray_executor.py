@@ -132,13 +132,12 @@ def test_killed_actor_turns_health_503(ray_cluster: str, tiny_model_factory) -> 
     from server.api.app import build_app
     from server.config import ServerConfig
     from server.engine.async_engine import AsyncEngine
-    from server.engine.llm_engine import LLMEngine
 
     folder, _, _ = tiny_model_factory(num_kv_heads=1)
     config = make_engine_config(model=folder, dtype="float32", tensor_parallel_size=2,
                                 **RAY_TP2)
     died: list[BaseException] = []
-    engine = AsyncEngine(lambda: LLMEngine(config), on_dead=died.append)
+    engine = AsyncEngine.from_config(config, on_dead=died.append)
     executor = engine.engine.executor
     assert executor is not None
     actor = executor.actors[0]

@@ -24,9 +24,9 @@ from server.hpu.buckets.plan import (
     resolve_ranges,
 )
 from server.hpu.counters import DeviceCounters
-from server.hpu.types import Phase
+from server.hpu.types import BucketLimits, Phase
 
-LIMITS = {"max_model_len": 2048, "max_num_seqs": 32, "max_num_batched_tokens": 4096}
+LIMITS = BucketLimits(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=4096)
 
 
 def recorded(seed: int = 0, steps: int = 3000) -> ShapeStats:
@@ -37,7 +37,7 @@ def recorded(seed: int = 0, steps: int = 3000) -> ShapeStats:
     for _ in range(steps // 10):
         q = min(2000, int(rng.lognormvariate(5.5, 0.9)) + 1)
         bs = rng.choice([1, 1, 1, 2, 3])
-        if bs * q > LIMITS["max_num_batched_tokens"]:
+        if bs * q > LIMITS.max_num_batched_tokens:
             bs = 1
         ctx = rng.choice([0, 0, 0, rng.randint(1, 8)]) if bs == 1 else 0
         stats.record(Phase.PREFILL, (bs, q, ctx), bs * q)
@@ -183,7 +183,7 @@ def test_query_buckets_step_finer_than_the_block() -> None:
     for _ in range(1000):
         bs = rng.randint(1, 16)
         stats.record(Phase.DECODE, (bs, 1, 3 * bs), bs)
-    limits = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_batched_tokens": 2048}
+    limits = BucketLimits(max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=2048)
     stats.describe(block_size=128, limits=limits, plan=None)
     obs = Observed.from_json(stats.snapshot())
     warmup = WarmupModel({})

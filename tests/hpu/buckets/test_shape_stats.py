@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from server.hpu.buckets.observed import ShapeStats, round_up_log
-from server.hpu.types import Phase
+from server.hpu.types import BucketLimits, Phase
 
 
 def test_round_up_log_never_rounds_down_and_stays_close() -> None:
@@ -42,3 +42,14 @@ def test_warmup_seconds_add_up_per_bucket() -> None:
     stats.warmed(Phase.DECODE, (1, 1, 4), 0.25)  # compile, then capture
     assert stats.warmup_seconds(Phase.DECODE) == {(1, 1, 4): 0.75}
     assert stats.snapshot()["warmup_seconds"]["decode"] == [[1, 1, 4, 0.75]]
+
+
+def test_the_limits_keep_their_json_keys() -> None:
+    stats = ShapeStats("m", CollectorRegistry())
+    stats.describe(block_size=16, limits=BucketLimits(2048, 32, 4096, 100), plan=None)
+    doc = stats.snapshot()
+    assert doc["limits"] == {"max_model_len": 2048, "max_num_seqs": 32,
+                             "max_num_batched_tokens": 4096, "num_blocks": 100}
+    # a document read back gives the same typed limits; unknown ones stay None
+    assert BucketLimits.from_json(doc["limits"]) == BucketLimits(2048, 32, 4096, 100)
+    assert BucketLimits.from_json({"max_model_len": 64}).max_num_seqs is None

@@ -13,6 +13,7 @@ from server.hpu.attention import AttentionMetadata
 from server.hpu.cpu.kernels import load_cpu_kernels
 from server.hpu.cpu.layer_ops import FusedCpuLayerOps
 from server.hpu.layer_ops import TorchLayerOps
+from server.hpu.types import DecodeLayout
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -200,7 +201,8 @@ def test_engine_uses_kernels_on_cpu_unless_disabled(fused, tiny_model) -> None:
         llm = LLM(tiny_model[0], dtype="float32", block_size=16,
                   environ={"HPU_SERVE_CPU_KERNELS": flag})
         runner = llm.engine.runner
-        assert runner.inputs.decode_layout == ("block_tables" if flag == "1" else "flat")
+        assert runner.inputs.decode_layout is (DecodeLayout.BLOCK_TABLES if flag == "1"
+                                               else DecodeLayout.FLAT)
         assert runner.model.layers[0].self_attn.ops.name == ("fused-cpu" if flag == "1"
                                                              else "torch")
         outputs[flag] = [o.outputs[0].token_ids for o in llm.generate(
@@ -236,7 +238,7 @@ def test_prompt_attention_kernel_matches_sdpa_on_a_padded_batch(fused, dtype) ->
         manager.allocate(seq)
         seqs.append(seq)
     builder = InputBuilder(block, manager.pad_block_id, torch.device("cpu"), dtype,
-                           "block_tables")
+                           DecodeLayout.BLOCK_TABLES)
     meta = builder.prefill(seqs).meta
     tokens = len(seqs) * 37
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)

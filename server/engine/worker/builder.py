@@ -1,0 +1,55 @@
+"""One way to build a rank's model runner, the same on rank 0 and on every worker rank.
+
+Rank 0 (the engine) and the tensor-parallel workers (``serve_rank``) both build their runner
+here, so they resolve the same limits (the step's token budget included), size the same KV
+cache and plan the same buckets: their collectives must match shape for shape. What differs
+is given, not patched in later: rank 0 samples (its end-of-sequence ids) and wraps its
+graph runner (``wrap_graphs``: the executor's broadcasting runner, which has every rank run
+what rank 0 runs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from server.cache_dir import writable_cache_dir
+from server.config import EngineConfig, ExecutionMode, SchedulerLimits
+from server.engine.worker.model_runner import ModelRunner
+from server.hpu.distributed import SINGLE, ParallelContext
+from server.hpu.graph_runner import ShapeRunner
+from server.hpu.platform import Platform
+from server.models.loader import LoadedModel, ModelSource, load_int4_weights
+
+# Wraps the platform's graph runner (tensor parallelism's rank 0: broadcast, then run).
+GraphRunnerWrapper = Callable[[ShapeRunner], ShapeRunner]
+
+
+def resolve_limits(config: EngineConfig, platform: Platform,
+                   model_max_len: int) -> SchedulerLimits:
+    """The scheduler's limits, with the step's token budget (``max_num_batched_tokens``)
+    resolved: the flag, else the platform's default with chunked prefill, else a whole
+    prompt. With static shapes (graphs, compile) a prefill with context runs alone, in a
+    prompt bucket with context blocks."""
+    static = platform.resolve_mode(config.device) is not ExecutionMode.EAGER
+    return SchedulerLimits.resolve(
+        config.scheduler, model_max_len, context_prefill_alone=static,
+        default_max_num_batched_tokens=platform.default_max_num_batched_tokens)
+
+
+def build_model_runner(config: EngineConfig, platform: Platform, source: ModelSource,
+                       loaded: LoadedModel, parallel: ParallelContext = SINGLE,
+                       eos_token_ids: frozenset[int] = frozenset(),
+                       wrap_graphs: GraphRunnerWrapper | None = None) -> ModelRunner:
+    """The model runner of this rank for ``loaded`` (this rank's slices under tensor
+    parallelism). ``eos_token_ids``: what the sampler stops on (rank 0 only samples)."""
+    # A GGUF's own 4-bit codes, read only if the platform serves from them (whole
+    # matrices: not under tensor parallelism, whose ranks hold slices).
+    int4_weights = (functools.partial(load_int4_weights, source, loaded.config)
+                    if source.is_gguf and config.model.quantization != "none"
+                    and parallel.world_size == 1 else None)
+    return ModelRunner(
+        config, platform, loaded,
+        resolve_limits(config, platform, loaded.config.max_position_embeddings),
+        eos_token_ids, config.model.served_model_name or source.name,
+        writable_cache_dir(config.cache_dir), int4_weights, parallel, wrap_graphs)
