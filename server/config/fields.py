@@ -253,13 +253,18 @@ def _build(cls: type[T], given: Mapping[str, Any], env: Mapping[str, str],
         if spec.source is Source.DERIVED:
             value = derived_values.get(path)
         if value is not None:
-            kwargs[f.name] = _convert(value, _base(tp))
+            kwargs[f.name] = _convert(value, _base(tp), spec, f.name)
     return cls(**kwargs)
 
 
-def _convert(value: Any, tp: Any) -> Any:
+def _convert(value: Any, tp: Any, spec: Spec, field_name: str) -> Any:
     if _is_enum(tp):
-        return tp(value)
+        try:
+            return tp(value)
+        except ValueError:
+            allowed = ", ".join(m.value for m in tp)
+            raise ValueError(f"--{spec.flag_name(field_name)} must be one of {allowed}, "
+                             f"got {value!r}") from None
     if typing.get_origin(tp) is tuple and isinstance(value, list):
         return tuple(value)
     return value
