@@ -46,9 +46,12 @@ def _dim(phase: str, name: str) -> tuple[str, str, str]:
     return stem + "MIN", stem + "STEP", stem + "MAX"
 
 
+STRATEGY_ENV = "VLLM_BUCKETING_STRATEGY"
+
+
 def _strategy_from_env(env: Mapping[str, str]) -> str | None:
     """VLLM_BUCKETING_STRATEGY, else the older VLLM_EXPONENTIAL_BUCKETING=false (lin)."""
-    strategy = env.get("VLLM_BUCKETING_STRATEGY", "").strip().lower()
+    strategy = env.get(STRATEGY_ENV, "").strip().lower()
     if strategy:
         return strategy
     exponential = env.get("VLLM_EXPONENTIAL_BUCKETING", "").strip()
@@ -66,7 +69,7 @@ class BucketingConfig:
                          help="pad shapes to warmed-up buckets (false: every shape as it comes)")
     strategy: str = flag(
         "exp", name="bucketing-strategy", choices=("exp", "lin", "adaptive"),
-        env="VLLM_BUCKETING_STRATEGY", env_reader=_strategy_from_env,
+        env=STRATEGY_ENV, env_reader=_strategy_from_env,
         help="bucket plan (default: exp; VLLM_EXPONENTIAL_BUCKETING=false: lin); adaptive: exp "
              "plus buckets warmed while serving where the observed traffic pads a lot")
     file: str | None = knob(None, env="VLLM_BUCKETING_FROM_FILE",
