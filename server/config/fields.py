@@ -60,42 +60,42 @@ class Spec:
         return self.name or field_name.replace("_", "-")
 
 
-def _field(default: Any, default_factory: Any, spec: Spec) -> Any:
-    return dataclasses.field(default=default, default_factory=default_factory,
-                             metadata={_SPEC: spec})
+def _field(default: Any, spec: Spec) -> Any:
+    return dataclasses.field(default=default, metadata={_SPEC: spec})
 
 
-def flag(default: Any = MISSING, *, help: str, name: str | None = None,
+def flag(default: Any, *, help: str, name: str | None = None,
          aliases: tuple[str, ...] = (), env: str | None = None,
          choices: tuple[str, ...] | None = None, metavar: str | None = None,
          group: str | None = None, exclusive: str | None = None, positional: bool = False,
-         dest: str | None = None, env_reader: Callable[[Mapping[str, str]], Any] | None = None,
-         default_factory: Any = MISSING) -> Any:
+         dest: str | None = None,
+         env_reader: Callable[[Mapping[str, str]], Any] | None = None) -> Any:
     """A field set by ``--NAME`` (the field's name with dashes unless ``name`` says). With
     ``env``, the variable applies when the flag is not given. A bool is ``store_true`` when
     its default is False, ``--NAME/--no-NAME`` when True, ``store_false`` when ``name``
     starts with ``no-``."""
-    return _field(default, default_factory, Spec(
-        Source.FLAG, help, name, aliases, env, choices, metavar, group, exclusive, positional,
-        dest, 1, env_reader))
+    return _field(default, Spec(
+        Source.FLAG, help, name=name, aliases=aliases, env=env, choices=choices,
+        metavar=metavar, group=group, exclusive=exclusive, positional=positional, dest=dest,
+        env_reader=env_reader))
 
 
-def knob(default: Any = MISSING, *, env: str | tuple[str, ...], help: str,
+def knob(default: Any, *, env: str | tuple[str, ...], help: str,
          unit: int = 1) -> Any:
     """A field set by an environment variable only (vLLM's ``VLLM_*`` knobs); ``unit``: the
     variable is a number of these (``VLLM_CPU_KVCACHE_SPACE`` in GiB for a field in bytes)."""
-    return _field(default, MISSING, Spec(Source.KNOB, help, env=env, unit=unit))
+    return _field(default, Spec(Source.KNOB, help, env=env, unit=unit))
 
 
-def derived(default: Any = MISSING, *, help: str) -> Any:
+def derived(default: Any, *, help: str) -> Any:
     """A field that is no flag: ``build`` takes it from its ``derived`` mapping, if there."""
-    return _field(default, MISSING, Spec(Source.DERIVED, help))
+    return _field(default, Spec(Source.DERIVED, help))
 
 
 def fixed(default: Any, *, help: str) -> Any:
     """A field that is no flag and no knob: its default is the value (a flag is one
     ``flag(...)`` away)."""
-    return _field(default, MISSING, Spec(Source.FIXED, help))
+    return _field(default, Spec(Source.FIXED, help))
 
 
 def section(cls: type, *, group: str | None = None) -> Any:
