@@ -9,14 +9,30 @@ import threading
 
 from server.bench.cli import add_bench_args
 from server.config import (
-    add_engine_args,
-    add_server_args,
+    BucketFitOptions,
+    BucketingConfig,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SchedulerLimits,
+    ServerConfig,
     engine_config_from_args,
     server_config_from_args,
 )
+from server.config.fields import add_flags, env_help
 from server.log import init_logging
 
 logger = logging.getLogger("server.cli")
+
+# `buckets` loads no model to read its context length from
+PLAN_MAX_MODEL_LEN = 4096
+# serve's flags that shape a bucket plan
+PLAN_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+              "num_blocks_override", "enable_chunked_prefill", "enable_prefix_caching")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default shown; the epilog's list of environment variables kept as laid out."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,49 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_engine_args(serve)
-    add_server_args(serve)
+                           formatter_class=HelpFormatter,
+                           epilog=env_help(EngineConfig, ServerConfig))
+    add_flags(serve, EngineConfig, ServerConfig)
     buckets = sub.add_parser("buckets", help="print the bucket plan of a configuration "
-                             "(no model is loaded)",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    buckets.add_argument("--max-model-len", type=int, default=4096)
-    buckets.add_argument("--max-num-seqs", type=int, default=256)
-    buckets.add_argument("--max-num-batched-tokens", type=int, default=None)
-    buckets.add_argument("--block-size", type=int, default=128)
-    buckets.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                         help="KV blocks of the cache, for the decode block clamp")
-    for flag in ("--enable-chunked-prefill", "--enable-prefix-caching"):
-        buckets.add_argument(flag, action=argparse.BooleanOptionalAction, default=True,
-                             help="as for serve: either one adds context-block prompt buckets")
-    fit = buckets.add_argument_group("fitting a plan to observed traffic")
-    fit.add_argument("--suggest", action="store_true",
-                     help="write a bucket file fitted to the shapes a server observed")
-    fit.add_argument("--from", dest="source", metavar="URL_OR_JSON",
-                     help="a server's base URL (GET /buckets/observed) or a saved JSON dump")
-    fit.add_argument("--api-key", default=None,
-                     help="bearer key for --from URL (default: $VLLM_API_KEY)")
-    budget = fit.add_mutually_exclusive_group()
-    budget.add_argument("--max-buckets", type=int, default=None,
-                        help="at most this many buckets (prompt + decode)")
-    budget.add_argument("--warmup-budget", type=float, default=None, metavar="SECONDS",
-                        help="at most this much estimated warmup (from measured per-bucket "
-                        "costs); default: the current plan's, or its bucket count")
-    fit.add_argument("--kv-weight", type=float, default=None,
-                     help="cost of a padded KV position in padded query tokens (default "
-                     "1/256)")
-    fit.add_argument("--query-step", type=int, default=None, metavar="TOKENS",
-                     help="prompt query buckets are multiples of this (default 32; the "
-                     "reference's plans step by the block size)")
-    fit.add_argument("--observed-only", action="store_true",
-                     help="cover only the observed envelope, not the engine's limits (fewer "
-                     "buckets; larger traffic then misses and compiles)")
-    fit.add_argument("--output", "-o", default="buckets.suggested.txt",
-                     help="the VLLM_BUCKETING_FROM_FILE file to write")
+                             "(no model is loaded)", formatter_class=HelpFormatter,
+                             epilog=env_help(BucketingConfig))
+    add_flags(buckets, SchedulerConfig, CacheConfig, only=PLAN_FLAGS,
+              defaults={"max_model_len": PLAN_MAX_MODEL_LEN})
+    add_flags(buckets, BucketFitOptions)
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
-                           "synthetic streaming workload",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           "synthetic streaming workload", formatter_class=HelpFormatter)
     add_bench_args(bench)
     return parser
 
@@ -97,12 +82,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
     """The warmup plan for these limits and the VLLM_* bucketing environment."""
-    from server.config import SchedulerConfig, bucketing_config_from_env
+    from server.config import bucketing_config_from_env
     from server.hpu.buckets.plan import format_plan, resolve_ranges
 
-    batched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens
-                              ).batched_tokens_for(args.max_model_len,
-                                                   args.enable_chunked_prefill)
+    # the step's token budget, resolved as the engine resolves it (without a platform: its
+    # default with chunked prefill is the generic one)
+    batched = SchedulerLimits.resolve(
+        SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_chunked_prefill=args.enable_chunked_prefill),
+        args.max_model_len).max_num_batched_tokens
     ranges = resolve_ranges(
         bucketing_config_from_env(environ), block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -133,8 +121,8 @@ def serve(args: argparse.Namespace) -> int:
     from server.models.errors import ModelFileError
 
     init_logging()
-    engine_cfg = engine_config_from_args(args)
-    try:
+    try:  # a bad flag or variable: one line naming it, before anything loads
+        engine_cfg = engine_config_from_args(args)
         server_cfg = server_config_from_args(args)
         chat_parsers(server_cfg.chat)  # an unknown parser name fails before the model loads
     except ValueError as exc:
