@@ -27,7 +27,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     serving = (tmp_path / "site" / "serving" / "index.html").read_text()
     # the hook expanded the flags reference (generated from the config's fields)
-    assert "--max-grammar-bytes" in serving and "<!-- flags: serve -->" not in serving
+    assert "--allowed-headers" in serving and "<!-- flags: serve -->" not in serving
 
 
 def nav_pages(nav: list) -> set[str]:
