@@ -26,6 +26,7 @@ from server.api.structured import structured_outputs_of
 from server.api.tool_parsers import ToolParser
 from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 from server.config import ChatOptions, RequestLimits
+from server.engine.inputs import Offload, PromptBuilder
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.engine.tokenizer import Tokenizer
@@ -57,9 +58,11 @@ class EngineClient(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    async def submit(self, request_id: str, prompt: str | list[int],
-                     params: SamplingParams | None = None, client: str | None = None
-                     ) -> AsyncIterator[RequestOutput]: ...
+    async def submit(self, request_id: str, prompt: str | list[int] | PromptBuilder,
+                     params: SamplingParams | None = None, client: str = "",
+                     offload: Offload | None = None) -> AsyncIterator[RequestOutput]:
+        """Queues a request: ``prompt`` is built (if a builder), tokenized and checked in
+        one job run by ``offload``."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -196,15 +199,17 @@ def build_sampling_params(
     return SamplingParams(**fields)
 
 
-async def submit(ctx: ServingContext, tag: RequestTag, prompt: str | list[int],
-                 params: SamplingParams, index: int | None = None
-                 ) -> AsyncIterator[RequestOutput]:
-    """Queues one prompt's request: its ``n`` sequences count against the client until its
-    stream ends (429 past --max-client-seqs, 503 once the waiting queue is full)."""
+async def submit(ctx: ServingContext, tag: RequestTag, build: PromptBuilder, n: int,
+                 index: int | None = None) -> AsyncIterator[RequestOutput]:
+    """Queues one prompt's request of ``n`` sequences, which count against the client until
+    its stream ends (429 past --max-client-seqs, 503 once the waiting queue is full).
+    ``build`` makes the prompt (renders a template, tokenizes text): the engine runs it with
+    its own checks as the request's one job on the preprocess pool, in the client's share."""
     num_waiting = ctx.engine.stats().num_waiting if ctx.max_waiting_requests else 0
-    lease = ctx.clients.admit(tag.client, params.n, num_waiting, ctx.max_waiting_requests)
+    lease = ctx.clients.admit(tag.client, n, num_waiting, ctx.max_waiting_requests)
     try:
-        stream = await ctx.engine.submit(tag.engine_id(index), prompt, params, tag.client)
+        stream = await ctx.engine.submit(tag.engine_id(index), build, client=tag.client,
+                                         offload=ctx.workers.offload(tag.client))
     except BaseException:
         lease.release()
         raise

@@ -44,6 +44,7 @@ from server.api.serving import (
     usage,
 )
 from server.api.tools import ToolPlan, plan_tools, template_messages
+from server.engine.inputs import PromptInput
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 
@@ -67,19 +68,20 @@ async def create_chat_completion(
     params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
     tok = ctx.engine.tokenizer
 
-    def render() -> tuple[str, list[int]]:  # on a worker: long prompts take a while
+    def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
         refuse_oversized(ctx, content_bytes(req.messages), "messages")
-        messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        text = tok.apply_chat_template(messages, req.add_generation_prompt, plan.tools,
-                                       template_kwargs)
-        return text, tok.encode(text, add_special_tokens=False)
+        try:
+            messages = template_messages([m.model_dump(exclude_none=True)
+                                          for m in req.messages])
+            text = tok.apply_chat_template(messages, req.add_generation_prompt, plan.tools,
+                                           template_kwargs)
+            ids = tok.encode(text, add_special_tokens=False)
+        except ValueError as exc:  # no template, unsupported content parts, template errors
+            raise APIError(400, str(exc), "messages") from None
+        return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text))
 
-    try:
-        prompt_text, prompt_ids = await ctx.workers.run(tag.client, render)
-    except ValueError as exc:  # no template, unsupported content parts, template errors
-        raise APIError(400, str(exc), "messages") from None
-    params = _with_tool_constraint(ctx, params, plan, prompt_text)
-    stream = tapped(await submit(ctx, tag, prompt_ids, params), MetricsTap(ctx.metrics, params))
+    # the tap reads n and max_tokens, which the tool constraint leaves as they are
+    stream = tapped(await submit(ctx, tag, build, params.n), MetricsTap(ctx.metrics, params))
     response_id = f"chatcmpl-{tag.request_id}"
 
     def reader() -> ChoiceReader:

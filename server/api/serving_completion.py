@@ -1,4 +1,5 @@
-"""POST /v1/completions: one engine request per prompt, choices indexed prompt * n + i."""
+"""POST /v1/completions: one engine request per prompt (each tokenized and checked in one job
+on a worker), choices indexed prompt * n + i."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ from server.api.serving import (
     tapped,
     usage,
 )
+from server.engine.inputs import PromptBuilder, PromptInput
 from server.engine.outputs import RequestOutput
+from server.engine.sampling_params import SamplingParams
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -45,18 +48,17 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _tokenize(ctx: ServingContext, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Token ids of every prompt (on a worker): the engine gets ids and only checks them.
-    A prompt provably beyond the context is refused before it is tokenized."""
-    tok = ctx.engine.tokenizer
-    ids = []
-    for i, prompt in enumerate(prompts):
+def _builder(ctx: ServingContext, prompt: str | list[int], field: str,
+             params: SamplingParams) -> PromptBuilder:
+    """The engine gets token ids and only checks them; text is tokenized in the same job on
+    a worker, unless it provably holds more tokens than the context allows."""
+    def build() -> PromptInput:
         if isinstance(prompt, str):
-            field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
             refuse_oversized(ctx, len(prompt.encode("utf-8")), field)
-            prompt = tok.encode(prompt)
-        ids.append(prompt)
-    return ids
+            return PromptInput(ctx.engine.tokenizer.encode(prompt), params)
+        return PromptInput(prompt, params)
+
+    return build
 
 
 async def create_completion(
@@ -75,11 +77,12 @@ async def create_completion(
                  logprobs=req.logprobs, logprobs_field="logprobs")
     params = build_sampling_params(req, req.max_tokens, req.logprobs,
                                    ctx.engine.tokenizer.vocab_size)
-    prompt_ids = await ctx.workers.run(tag.client, _tokenize, ctx, prompts)
     streams = []
     try:
-        for i, ids in enumerate(prompt_ids):
-            stream = await submit(ctx, tag, ids, params, index=i)
+        for i, prompt in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            stream = await submit(ctx, tag, _builder(ctx, prompt, field, params), params.n,
+                                  index=i)
             streams.append(tapped(stream, MetricsTap(ctx.metrics, params)))
     except BaseException:
         for i in range(len(streams)):

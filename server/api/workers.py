@@ -19,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from server.engine.inputs import Offload
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -82,6 +84,14 @@ class PreprocessPool:
 
         job.add_done_callback(finished)
         return await asyncio.wrap_future(job)
+
+    def offload(self, client: str) -> Offload:
+        """:meth:`run` in ``client``'s share, as the engine takes it (the engine builds and
+        checks a request's prompt in one job there)."""
+        async def run(fn: Callable[[], T]) -> T:
+            return await self.run(client, fn)
+
+        return run
 
     def _release(self, client: str, share: _Share) -> None:
         share.slots.release()

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from server.config import EngineConfig
 from server.engine.errors import EngineDeadError, RequestError, RequestFailedError
+from server.engine.inputs import Offload, PromptBuilder, PromptInput
 from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.request_state import RequestState
@@ -95,8 +96,9 @@ class AsyncEngine:
     """Runs ``LLMEngine.step()`` in a background thread and fans outputs out to streams.
 
     Commands (add / abort / call / stop) cross into the engine thread through a queue;
-    outputs come back with ``loop.call_soon_threadsafe``. Tokenization and validation run in
-    a worker thread too, so a long prompt never stalls the event loop.
+    outputs come back with ``loop.call_soon_threadsafe``. Building a prompt (a chat template),
+    tokenizing and validating it run as one job on a worker thread, so a long prompt never
+    stalls the event loop.
 
     Every tensor operation (load, warmup, steps) runs on that one thread: each thread that
     calls into torch gets its own OpenMP team, and a second team left over from loading on
@@ -202,24 +204,37 @@ class AsyncEngine:
             self._on_dead(exc)
 
     async def submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        client: str = "",
+        self, request_id: str, prompt: str | list[int] | PromptBuilder,
+        params: SamplingParams | None = None, client: str = "", offload: Offload | None = None,
     ) -> RequestStream:
         """Validates (raising RequestError) and queues a request; iterate the result.
-        ``client``: who sent it, for fair admission (``--fair-share``)."""
+
+        ``prompt``: text or token ids with ``params``, or a builder of both (a chat template
+        to render). Building, tokenizing and validating are one job run by ``offload`` (the
+        API's preprocess pool; a thread of asyncio's own by default): a request crosses to a
+        worker thread once. ``client``: who sent it, for fair admission (``--fair-share``)
+        and the grammar compile pool's turns."""
+        if callable(prompt) and params is not None:
+            raise TypeError("a prompt builder brings its own params")
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self.dead_reason!r}")
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         # Claimed before the first await: a second submit with the same id is refused above
-        # instead of replacing this stream while this one is still being tokenized.
+        # instead of replacing this stream while this one is still being built.
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        arrival = time.monotonic()  # before tokenizing: requests are tokenized concurrently
+        arrival = time.monotonic()  # before building: requests are built concurrently
+        build = prompt if callable(prompt) else _given(prompt, params)
+
+        def prepare() -> RequestState:  # on a worker thread
+            given = build()
+            return self.engine.prepare(request_id, given.prompt, given.params, arrival,
+                                       client, grammar=False)
+
         self._transit(+1)
         try:
-            state = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params,
-                                            arrival, client, grammar=False)
+            state = await (offload or asyncio.to_thread)(prepare)
             await self._grammar(state, client)
         except BaseException:
             self._transit(-1)
@@ -356,3 +371,9 @@ class AsyncEngine:
                 self._push_error(request_id, exc)
 
         self._call_loop(fail)
+
+
+def _given(prompt: str | list[int], params: SamplingParams | None) -> PromptBuilder:
+    """The builder of a prompt that needs none."""
+    given = PromptInput(prompt, params or SamplingParams())
+    return lambda: given

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from typing import Any, Union
 
 from server.config import make_engine_config
+from server.engine.executor.mp import refuse_engine_in_worker
 from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
@@ -24,6 +25,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
+        refuse_engine_in_worker()  # before any loading: the worker is only importing a script
         init_logging()
         self.engine = LLMEngine(make_engine_config(model=model, **options))
         self.engine.warmup()

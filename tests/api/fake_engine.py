@@ -7,12 +7,14 @@ letters ``a``, ``b``, ``c``... shifted by ``i``, one token per step, each with l
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from server.engine.inputs import Offload, PromptBuilder
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 
@@ -84,9 +86,12 @@ class FakeEngine:
     def observed_shapes(self) -> dict[str, Any]:
         return {"format": "hpu-serve/observed-shapes/v1", "phases": {}, "warmup_seconds": {}}
 
-    async def submit(self, request_id: str, prompt: str | list[int],
-                     params: SamplingParams | None = None, client: str = ""
-                     ) -> AsyncIterator[RequestOutput]:
+    async def submit(self, request_id: str, prompt: str | list[int] | PromptBuilder,
+                     params: SamplingParams | None = None, client: str = "",
+                     offload: Offload | None = None) -> AsyncIterator[RequestOutput]:
+        if callable(prompt):  # built as the real engine does: one job on the offload
+            given = await (offload or asyncio.to_thread)(prompt)
+            prompt, params = given.prompt, given.params
         params = params or SamplingParams()
         self.submitted.append((request_id, prompt, params))
         return self._outputs(request_id, prompt, params)

@@ -42,8 +42,8 @@ class StubEngine:
     async def shutdown(self) -> None:
         pass
 
-    async def submit(self, request_id: str, prompt: object, params: object, client: str = ""
-                     ) -> AsyncIterator[object]:
+    async def submit(self, request_id: str, prompt: object, params: object = None,
+                     client: str = "", offload: object = None) -> AsyncIterator[object]:
         assert self.failure is not None
         raise self.failure
 

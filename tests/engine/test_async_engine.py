@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,7 @@ from server import SamplingParams
 from server.config import make_engine_config
 from server.engine.async_engine import AsyncEngine
 from server.engine.errors import RequestError
+from server.engine.inputs import PromptInput
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +157,68 @@ def test_submitted_requests_count_as_waiting_before_the_engine_sees_them(engine_
         return queued, after_refusal, drained
 
     assert asyncio.run(main()) == (3, 3, 0)
+
+
+def test_a_prompt_builder_runs_with_the_checks_in_one_offloaded_job(engine_config) -> None:
+    # The API hands a builder (a chat template to render) and its preprocess pool: building,
+    # tokenizing and validating cross to a thread once, through that pool.
+    engine = AsyncEngine.from_config(engine_config)
+    jobs: list[str] = []
+
+    async def offload(fn: Callable[[], Any]) -> Any:  # counts, in place of the pool
+        jobs.append(fn.__name__)
+        return await asyncio.to_thread(fn)
+
+    def build() -> PromptInput:
+        assert threading.current_thread() is not threading.main_thread()
+        return PromptInput("the quick brown fox", SamplingParams(max_tokens=3, ignore_eos=True))
+
+    async def main() -> int:
+        engine.start()
+        stream = await engine.submit("r", build, client="c", offload=offload)
+        outs = [out async for out in stream]
+        with pytest.raises(TypeError, match="its own params"):
+            await engine.submit("r2", build, SamplingParams(), offload=offload)
+        await engine.shutdown()
+        return outs[-1].num_generated_tokens
+
+    assert asyncio.run(main()) == 3
+    assert len(jobs) == 1
+
+
+def test_an_id_is_claimed_before_its_prompt_is_built(engine_config) -> None:
+    # A second request with the same id is refused at once (never hangs, never replaces the
+    # stream) while the first is still being built; a cancelled build frees its id.
+    engine = AsyncEngine.from_config(engine_config)
+    building = threading.Event()
+    release = threading.Event()
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    def slow_build() -> PromptInput:
+        building.set()
+        release.wait(10)
+        return PromptInput([1, 2, 3], params)
+
+    async def main() -> tuple[int, int, int]:
+        engine.start()
+        first = asyncio.create_task(engine.submit("same", slow_build))
+        await asyncio.to_thread(building.wait, 10)
+        with pytest.raises(RequestError, match="already in use"):
+            await asyncio.wait_for(engine.submit("same", [1, 2, 3], params), 2)
+        release.set()
+        tokens = [out async for out in await first][-1].num_generated_tokens
+
+        building.clear()
+        release.clear()
+        gone = asyncio.create_task(engine.submit("left", slow_build))
+        await asyncio.to_thread(building.wait, 10)
+        gone.cancel()  # the client went away while its prompt was being built
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        release.set()
+        in_transit = engine.stats().num_waiting
+        again = [out async for out in await engine.submit("left", [1, 2, 3], params)]
+        await engine.shutdown()
+        return tokens, in_transit, again[-1].num_generated_tokens
+
+    assert asyncio.run(main()) == (2, 0, 2)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.outputs import TokenLogprob
 from server.engine.core.sequence import Sequence
+from server.engine.outputs import TokenLogprob
 
 _NEG_INF = float("-inf")
 

@@ -6,7 +6,12 @@ recording sampler keeps the logits rank 0 samples from, step by step.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +218,61 @@ def test_fused_checkpoint_tp2_matches_tp1(tiny_model_factory) -> None:
     folder, _, _ = tiny_model_factory(model_type="phi3")
     assert_same(generate(folder, 1, PROMPTS, 16, **SMALL),
                 generate(folder, 2, PROMPTS, 16, **SMALL))
+
+
+UNGUARDED_SCRIPTS = {
+    "LLM": """
+import argparse
+from server import LLM, SamplingParams
+args = argparse.ArgumentParser()
+args.add_argument("model")
+args.add_argument("--tensor-parallel-size", type=int)
+opts = args.parse_args()
+llm = LLM(opts.model, tensor_parallel_size=opts.tensor_parallel_size, dtype="float32",
+          block_size=16, max_num_seqs=4, max_model_len=128)
+print(llm.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids)
+""",
+    "LLMEngine": """
+import sys
+from server.config import make_engine_config
+from server.engine.llm_engine import LLMEngine
+engine = LLMEngine(make_engine_config(model=sys.argv[1], tensor_parallel_size=int(sys.argv[3]),
+                                      dtype="float32", block_size=16, max_model_len=128))
+""",
+}
+
+
+def run_script(source: str, model: str, folder: Path) -> subprocess.CompletedProcess[str]:
+    script = folder / "offline.py"
+    script.write_text(source)
+    root = Path(__file__).resolve().parents[3]
+    return subprocess.run([sys.executable, str(script), model, "--tensor-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          cwd=folder, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+@pytest.mark.parametrize("kind", list(UNGUARDED_SCRIPTS))
+def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model, tmp_path: Path,
+                                                          kind: str) -> None:
+    # spawn re-runs the script's top level in each worker, which builds the engine again:
+    # the workers stop at once, and both they and rank 0 say what to add
+    run = run_script(UNGUARDED_SCRIPTS[kind], tiny_model[0], tmp_path)
+    assert run.returncode != 0
+    guard = 'if __name__ == "__main__":'
+    worker_says = run.stderr.partition("Traceback")[0]
+    assert f"hpu-serve: {tmp_path / 'offline.py'} builds an engine" in worker_says, run.stderr
+    assert guard in worker_says
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: tensor-parallel worker rank 1"), last
+    assert "exit code 3" in last and f"put that code under `{guard}`" in last, last
+
+
+def test_the_same_script_with_a_main_guard_runs(tiny_model, tmp_path: Path) -> None:
+    lines = UNGUARDED_SCRIPTS["LLM"].strip().splitlines()
+    imports = [line for line in lines if line.startswith(("import", "from"))]
+    body = [line for line in lines if line not in imports]
+    guarded = "\n".join([*imports, 'if __name__ == "__main__":',
+                          *("    " + line for line in body), "    llm.shutdown()", ""])
+    run = run_script(guarded, tiny_model[0], tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert len(json.loads(run.stdout.strip().splitlines()[-1])) == 2
