@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 import server
 from server.api.admission import ClientSeqs
@@ -141,11 +142,11 @@ async def _until_disconnect(request: Request, work: Awaitable[object]) -> object
 def _respond(result: object) -> Response:
     if isinstance(result, Response):
         return result
-    if hasattr(result, "__aiter__"):
-        return StreamingResponse(guarded_sse(result),  # type: ignore[arg-type]
-                                 media_type="text/event-stream",
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(guarded_sse(result), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return JSONResponse(result.model_dump())  # type: ignore[attr-defined]
+    assert isinstance(result, BaseModel), type(result)
+    return JSONResponse(result.model_dump())
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -20,6 +20,10 @@ from pydantic import BaseModel, ValidationError
 from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 
 M = TypeVar("M", bound=BaseModel)
+# A body this small parses on the loop: at most ~0.2 ms (50 chat messages took 0.06 ms), less
+# than the hop to a worker costs, and it leaves a request one hop (its prompt's build and
+# the engine's checks, see server/engine/inputs.py). Anything larger goes to the pool.
+INLINE_PARSE_BYTES = 8 << 10
 _REF = "#/components/schemas/{model}"
 
 
@@ -62,7 +66,8 @@ def _decode(raw: bytes, model: type[M], precheck: Callable[[Any], None] | None) 
 
 async def parse_body(request: Request, model: type[M], pool: PreprocessPool, client: str,
                      precheck: Callable[[Any], None] | None = None) -> M:
-    """The body as ``model``, parsed on a worker of ``pool`` in ``client``'s share.
+    """The body as ``model``, parsed on a worker of ``pool`` in ``client``'s share (on the
+    loop when it is under ``INLINE_PARSE_BYTES``).
     ``precheck`` sees the parsed JSON first: a cheap refusal (too many messages) before the
     expensive validation."""
     raw = await request.body()
@@ -74,6 +79,8 @@ async def parse_body(request: Request, model: type[M], pool: PreprocessPool, cli
             "type": "model_attributes_type", "loc": ("body",),
             "msg": "Input should be a valid dictionary or object to extract fields from",
             "input": "<bytes>"}])
+    if len(raw) < INLINE_PARSE_BYTES:
+        return _decode(raw, model, precheck)
     try:
         return await pool.run(client, _decode, raw, model, precheck)
     finally:

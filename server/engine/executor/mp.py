@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from typing import cast
 
 from server.config import EngineConfig
 from server.engine.executor.base import RankExecutor, serve_rank
@@ -71,7 +72,7 @@ class MultiprocExecutor(RankExecutor):
     def _wait_for_exit(self) -> str:
         sentinels = {w.sentinel: rank for rank, w in enumerate(self.workers, start=1)}
         ready = multiprocessing.connection.wait(list(sentinels))
-        rank = sentinels[ready[0]]  # type: ignore[index]
+        rank = sentinels[cast(int, ready[0])]  # we waited on sentinels: ints
         self.workers[rank - 1].join(1)  # for its exit code
         return self._describe(rank)
 

@@ -159,14 +159,15 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """vLLM's rules: repetition over prompt + output (divide positive logits, multiply
     negative ones), frequency and presence over output tokens only."""
     assert t.output_ids is not None and t.prompt_ids is not None
+    assert t.repetition is not None and t.frequency is not None and t.presence is not None
     batch, vocab = logits.shape
     output_counts = _counts(t.output_ids, batch, vocab)
     seen = (_counts(t.prompt_ids, batch, vocab) + output_counts) > 0
-    rep = t.repetition.expand_as(logits)  # type: ignore[union-attr]
+    rep = t.repetition.expand_as(logits)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
-    logits = logits - t.frequency * output_counts  # type: ignore[operator]
-    return logits - t.presence * (output_counts > 0)  # type: ignore[operator]
+    logits = logits - t.frequency * output_counts
+    return logits - t.presence * (output_counts > 0)
 
 
 def to_token_logprobs(out: SamplerOutput, seqs: Seq[Sequence]) -> list[TokenLogprob | None]:
