@@ -17,18 +17,38 @@ from pathlib import Path
 LAYERS = ["server.bench", "server.api", "server.engine", "server.models", "server.hpu"]
 
 
-def module_imports(root: Path) -> dict[str, set[str]]:
-    """Module name -> every absolute import it makes, at any depth of the code."""
+def module_imports(root: Path, top_level: bool = False) -> dict[str, set[str]]:
+    """Module name -> every absolute import it makes, at any depth of the code (``top_level``:
+    only those run when the module is imported, outside functions and TYPE_CHECKING)."""
     out: dict[str, set[str]] = {}
     for path in sorted((root / "server").rglob("*.py")):
         name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         names: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        nodes = _top_level(tree.body) if top_level else list(ast.walk(tree))
+        for node in nodes:
             if isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names.add(node.module)
         out[name] = names
+    return out
+
+
+def _top_level(body: list[ast.stmt]) -> list[ast.AST]:
+    """The statements run at import: the module body, into if/try blocks, not into
+    functions, classes' methods or ``if TYPE_CHECKING:``."""
+    out: list[ast.AST] = []
+    for node in body:
+        if isinstance(node, ast.If):
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                out += _top_level(node.body) + _top_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            out += _top_level(node.body) + _top_level(node.orelse)
+            for handler in node.handlers:
+                out += _top_level(handler.body)
+        else:
+            out.append(node)
     return out
 
 
@@ -121,6 +141,17 @@ def main() -> None:
     api_torch = sorted(m for m, names in imports.items() if m.startswith("server.api")
                        and any(n == "torch" or n.startswith("torch.") for n in names))
     print(f"server/api modules importing torch: {len(api_torch)} {api_torch or ''}")
+    # what importing the API loads at module level (top-level imports only, as Python does)
+    top = internal_graph(module_imports(root, top_level=True))
+    seen, todo = set(), [m for m in top if m.startswith("server.api")]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += [n for n in top[m] if n not in seen]
+    via = sorted(m for m in seen if any(n == "torch" or n.startswith("torch.")
+                                        for n in module_imports(root, top_level=True)[m]))
+    print(f"modules importing torch that server/api loads: {len(via)} {via or ''}")
 
 
 if __name__ == "__main__":
