@@ -303,6 +303,55 @@ def test_required_without_parallel_calls_gives_one(agent) -> None:
         assert len(reply.choices[0].message.tool_calls) == 1
 
 
+def _pydantic_tools() -> list[dict]:
+    """Two tools whose parameters pydantic generated, each with a ``$defs`` entry of the same
+    name (``Options``) but a different shape, referred to as ``#/$defs/Options``."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class WeatherOptions(BaseModel):
+        unit: Literal["celsius", "fahrenheit"]
+
+    class TimeOptions(BaseModel):
+        hour24: bool
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=20)
+        options: WeatherOptions
+
+    class Time(BaseModel):
+        zone: str = Field(max_length=20)
+        options: TimeOptions
+
+    tools = []
+    for name, model in (("get_weather", Weather), ("get_time", Time)):
+        schema = model.model_json_schema()
+        # the same def name in both tools: a clash a merged $defs must not resolve wrongly
+        schema["$defs"] = {"Options": next(iter(schema["$defs"].values()))}
+        schema["properties"]["options"] = {"$ref": "#/$defs/Options"}
+        tools.append({"type": "function", "function": {"name": name, "parameters": schema}})
+    return tools
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_tool_parameters_with_defs(agent, choice) -> None:
+    """vLLM accepts tools whose parameters refer to their own ``$defs`` (what pydantic
+    generates), with every tool_choice; the calls follow each tool's own definitions."""
+    tools = _pydantic_tools()
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for seed in range(2):
+        reply = agent.chat.completions.create(
+            model=MODEL, messages=ASK, tools=tools, tool_choice=choice, temperature=1.0,
+            seed=seed, max_tokens=200)
+        calls = reply.choices[0].message.tool_calls
+        assert calls, reply
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments),
+                                schemas[call.function.name])
+
+
 def test_a_function_without_parameters(agent) -> None:
     reply = agent.chat.completions.create(
         model=MODEL, messages=ASK, tools=[NO_ARGS],
