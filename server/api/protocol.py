@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from server.api.text_fields import Text, no_bool_token_ids, text_only_parts
 
@@ -58,7 +58,9 @@ class ToolCallParam(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # OpenAI's roles are system, user, assistant, developer and tool; like vLLM, any other
+    # name goes to the chat template as it is (a template that does not know it says so)
+    role: Annotated[Text, Field(min_length=1, max_length=64)]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, max_length=1024)
@@ -163,6 +165,15 @@ class SamplingFields(RequestModel):
     guided_grammar: SpecText | None = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None,
+                             info: ValidationInfo) -> StreamOptions | None:
+        # OpenAI and vLLM refuse it: options of a stream that will not be sent
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return value
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -230,6 +241,8 @@ class AssistantMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None  # OpenAI requires the key (null: this model never refuses)
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    # vLLM's current name, and the older one many clients (DeepSeek-style) still read
+    reasoning: str | None = None
     reasoning_content: str | None = None
 
 
@@ -266,6 +279,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # beside reasoning_content, as for a whole message
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

@@ -100,8 +100,12 @@ async def create_chat_completion(
             choices.append(ChatChoice(
                 index=c.index,
                 message=AssistantMessage(
-                    content=parts.content or (None if parts.tool_calls or parts.reasoning
-                                              else ""),
+                    # a forced call's message has content "" (as vLLM answers); a parsed
+                    # call's or a reasoning-only answer's has none
+                    content=parts.content or (
+                        "" if plan.forced and parts.tool_calls
+                        else None if parts.tool_calls or parts.reasoning else ""),
+                    reasoning=parts.reasoning or None,
                     reasoning_content=parts.reasoning or None,
                     tool_calls=[ToolCallOut(id=t.id, function=FunctionCallOut(
                         name=t.name, arguments=t.arguments)) for t in parts.tool_calls]),
@@ -205,8 +209,9 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
                 stop_reason=c.stop_reason,
             ))
             logprobs.append(ctx.logprobs.chat_dict(c.logprobs) if c.logprobs else None)
-        if choices:
-            yield chunk(choices, logprobs)
+        # one choice per chunk, as vLLM streams n > 1 (clients index chunk.choices[0])
+        for choice, choice_logprobs in zip(choices, logprobs):
+            yield chunk([choice], [choice_logprobs])
     if include_usage and final is not None:
         yield chunk([], usage=usage(len(final.prompt_token_ids), final.num_generated_tokens))
     yield sse("[DONE]")
@@ -216,5 +221,5 @@ def _delta(parts: DeltaParts) -> DeltaMessage:
     calls = [DeltaToolCall(index=t.index, id=t.id, type="function" if t.id else None,
                            function=DeltaFunctionCall(name=t.name, arguments=t.arguments))
              for t in parts.tool_calls]
-    return DeltaMessage(content=parts.content or None,
+    return DeltaMessage(content=parts.content or None, reasoning=parts.reasoning or None,
                         reasoning_content=parts.reasoning or None, tool_calls=calls or None)

@@ -166,8 +166,9 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
             ))
             logprobs.append(ctx.logprobs.completion_dict(c.logprobs, offset)
                             if c.logprobs else None)
-        if choices:
-            yield chunk(choices, logprobs)
+        # one choice per chunk, as vLLM streams n > 1 (clients index chunk.choices[0])
+        for choice, choice_logprobs in zip(choices, logprobs):
+            yield chunk([choice], [choice_logprobs])
     if include_usage:
         yield chunk([], usage=usage(sum(prompt_tokens.values()), sum(generated.values())))
     yield sse("[DONE]")

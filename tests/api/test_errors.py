@@ -34,7 +34,11 @@ def assert_error(resp: httpx.Response, status: int, *words: str) -> dict:
         (CHAT, {"messages": MSG, "max_tokens": 0}, ["max_tokens"]),
         (CHAT, {"messages": MSG, "max_tokens": "many"}, ["max_tokens"]),
         (CHAT, {"messages": []}, ["messages"]),
-        (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, ["role"]),
+        (CHAT, {"messages": [{"role": "", "content": "x"}]}, ["role"]),
+        (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}},
+         ["stream_options", "stream"]),
+        (COMPLETIONS, {"prompt": "x", "stream": False, "stream_options": {}},
+         ["stream_options", "stream"]),
         (CHAT, {"messages": MSG, "logit_bias": {"abc": 1}}, ["logit_bias"]),
         (CHAT, {"messages": MSG, "top_logprobs": 2}, ["logprobs"]),
         (COMPLETIONS, {"prompt": ""}, ["empty"]),
@@ -45,6 +49,17 @@ def assert_error(resp: httpx.Response, status: int, *words: str) -> dict:
 )
 def test_invalid_values_are_400(server, path: str, body: dict, words: list[str]) -> None:
     assert_error(post(server, path, json=body), 400, *words)
+
+
+def test_a_custom_role_reaches_the_template(server) -> None:
+    """vLLM passes roles beyond OpenAI's to the chat template (chatml writes any name)."""
+    body = {"messages": [{"role": "narrator", "content": "Once upon a time"}, *MSG],
+            "max_tokens": 2}
+    resp = post(server, CHAT, json=body)
+    assert resp.status_code == 200, resp.text
+    tokens = post(server, "/tokenize", json={"messages": body["messages"]}).json()
+    text = post(server, "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert "narrator" in text
 
 
 def test_malformed_json_is_400(server) -> None:

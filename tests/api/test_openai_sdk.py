@@ -62,6 +62,27 @@ def test_chat_n_seed_and_logprobs(client, model_name: str) -> None:
     assert a.usage.completion_tokens == 12
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_n_sends_one_choice_per_chunk(client, model_name: str, endpoint: str) -> None:
+    """vLLM streams each of n choices in chunks of their own; the texts equal the whole
+    answer's (greedy)."""
+    common = dict(model=model_name, max_tokens=5, temperature=0, n=3,
+                  extra_body={"ignore_eos": True})
+    if endpoint == "chat":
+        create, common["messages"] = client.chat.completions.create, MESSAGES
+    else:
+        create, common["prompt"] = client.completions.create, "the quick"
+    whole = create(**common)
+    texts = ["", "", ""]
+    for chunk in create(stream=True, **common):
+        assert len(chunk.choices) == 1, chunk
+        choice = chunk.choices[0]
+        texts[choice.index] += (choice.delta.content or "") if endpoint == "chat" \
+            else choice.text
+    expected = [c.message.content if endpoint == "chat" else c.text for c in whole.choices]
+    assert texts == expected
+
+
 def test_completions_batch_echo_stop_and_logprobs(client, model_name: str) -> None:
     resp = client.completions.create(model=model_name, prompt=["the quick", "numbers 1 2"],
                                      max_tokens=5, temperature=0, n=2,

@@ -59,6 +59,8 @@ def collect(stream) -> dict:
             delta = choice.delta
             content += delta.content or ""
             reasoning += getattr(delta, "reasoning_content", None) or ""
+            # vLLM's current field carries the same text as the older one
+            assert getattr(delta, "reasoning", None) == getattr(delta, "reasoning_content", None)
             for call in delta.tool_calls or []:
                 if call.index not in calls:
                     assert call.id and call.function.name, "first delta carries id and name"
@@ -73,6 +75,7 @@ def collect(stream) -> dict:
 
 
 def as_dict(message, reason: str | None) -> dict:
+    assert getattr(message, "reasoning", None) == getattr(message, "reasoning_content", None)
     return {"content": message.content or "",
             "reasoning": getattr(message, "reasoning_content", None) or "", "reason": reason,
             "calls": [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
@@ -292,6 +295,7 @@ def test_forced_choices_always_give_valid_calls(smollm2_server, agent, choice, a
         assert r["reason"] == "tool_calls", r
         assert_valid_calls(r["calls"], allowed)
         assert r["content"] == ""
+    assert whole.choices[0].message.content == ""  # not null: vLLM's answer to a forced call
     assert same_calls(reading["calls"], streamed["calls"])  # same seed, same calls
 
 
