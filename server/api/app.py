@@ -169,10 +169,21 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         work = create_completion(ctx, body, tag)
         return _respond(await _until_disconnect(request, work))
 
+    def card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, root=ctx.model_name,
+                         max_model_len=ctx.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_name,
-                                         max_model_len=ctx.max_model_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        """One model, as OpenAI's retrieve answers (an id may hold slashes: org/name)."""
+        if model_id != ctx.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model",
+                           "model_not_found")
+        return card()
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> ResetPrefixCacheResponse:

@@ -70,8 +70,8 @@ def _errors(method: str, path: str, has_body: bool) -> list[int]:
         statuses += [400, 408, 413]
     if path.startswith("/v1/"):
         statuses.append(401)
-    if has_body:
-        statuses.append(404)  # every body names a model
+    if has_body or "{model_id}" in path:
+        statuses.append(404)  # every body names a model, and so does this path
     if (method, path) in (("post", "/v1/chat/completions"), ("post", "/v1/completions")):
         statuses.append(500)
     return sorted(statuses)

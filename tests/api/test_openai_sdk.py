@@ -16,6 +16,14 @@ def test_models_list(client, model_name: str) -> None:
     assert [m.id for m in models.data] == [model_name]
 
 
+def test_models_retrieve(client, model_name: str) -> None:
+    """GET /v1/models/{id}: the served model's card, or OpenAI's 404 for another id."""
+    card = client.models.retrieve(model_name)
+    assert card.id == model_name and card.object == "model"
+    with pytest.raises(openai.NotFoundError, match="org/other"):
+        client.models.retrieve("org/other")
+
+
 def test_chat_non_streaming_fields(client, model_name: str) -> None:
     resp = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=7,
                                           temperature=0, extra_body={"ignore_eos": True})
