@@ -94,7 +94,11 @@ class LogprobFormatter:
             text = token_str(e.token_id)
             tokens.append(text)
             token_logprobs.append(json_logprob(e.logprob))
-            top_logprobs.append({token_str(t): json_logprob(lp) for t, lp in e.top})
+            # OpenAI's rule: the sampled token's logprob is always among them, so there may
+            # be logprobs + 1 entries (logprobs 0: the sampled token's alone)
+            top = {text: json_logprob(e.logprob)}
+            top.update((token_str(t), json_logprob(lp)) for t, lp in e.top)
+            top_logprobs.append(top)
             text_offset.append(offset)
             offset += len(text)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs,

@@ -107,8 +107,15 @@ def test_completions_batch_echo_stop_and_logprobs(client, model_name: str) -> No
     logprobs = lp.choices[0].logprobs
     assert len(logprobs.tokens) == 4
     assert len(logprobs.token_logprobs) == 4
-    assert all(len(t) <= 2 for t in logprobs.top_logprobs)
+    # the sampled token is always among them (OpenAI: up to logprobs + 1 entries; tokens
+    # that decode alike, such as partial UTF-8 bytes, share a key)
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs):
+        assert token in top and len(top) <= 3
     assert logprobs.text_offset[0] == 0
+    zero = client.completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=3,
+                                     temperature=1.0, seed=3, logprobs=0,
+                                     extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert [list(top) for top in zero.top_logprobs] == [[t] for t in zero.tokens]
     ids = client.completions.create(model=model_name, prompt="the quick", max_tokens=4,
                                     temperature=0, extra_body={"ignore_eos": True,
                                                                "stop_token_ids": [2]})
