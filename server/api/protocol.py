@@ -190,7 +190,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     # strict: JSON true / false are not token ids 1 / 0
-    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]] | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: Text | None = None

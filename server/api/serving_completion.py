@@ -38,13 +38,21 @@ from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 
 
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+# vLLM's words (its clients match them); prompt_embeds is refused when given, see
+# request_checks.py
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]] | None
+             ) -> list[str | list[int]]:
+    if prompt is None:
+        raise APIError(400, EMPTY_PROMPT, "prompt")
     if isinstance(prompt, str):
         return [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
         return [prompt]  # type: ignore[list-item]
     if not prompt:
-        raise APIError(400, "prompt must not be empty", "prompt")
+        raise APIError(400, EMPTY_PROMPT, "prompt")
     return list(prompt)  # type: ignore[arg-type]
 
 

@@ -99,8 +99,10 @@ class InputProcessor:
         if params.priority and self.limits.policy != "priority":
             raise RequestError("priority needs the server started with --scheduling-policy "
                                "priority", "priority")
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # vLLM's words, which its clients match
+            raise RequestError(f"Token id {bad} is out of vocabulary (ids are in "
+                               f"[0, {vocab}))", "prompt")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):

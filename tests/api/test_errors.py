@@ -44,7 +44,9 @@ def assert_error(resp: httpx.Response, status: int, *words: str) -> dict:
         (COMPLETIONS, {"prompt": ""}, ["empty"]),
         (COMPLETIONS, {"prompt": []}, ["empty"]),
         (COMPLETIONS, {"prompt": "x", "stop": 5}, ["stop"]),
-        (COMPLETIONS, {"prompt": [10**9]}, ["token"]),
+        (COMPLETIONS, {"prompt": [10**9]}, ["out of vocabulary"]),  # vLLM's words
+        (COMPLETIONS, {"max_tokens": 2}, ["prompt", "non-empty"]),
+        (COMPLETIONS, {"prompt": None, "prompt_embeds": []}, ["prompt", "non-empty"]),
     ],
 )
 def test_invalid_values_are_400(server, path: str, body: dict, words: list[str]) -> None:
