@@ -37,6 +37,8 @@ def now() -> int:
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class TextPart(OpenAIModel):

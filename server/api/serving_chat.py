@@ -88,8 +88,10 @@ async def create_chat_completion(
         return ChoiceReader(plan, ctx.reasoning_parser)
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, stream, response_id, req.n, include_usage, reader)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        return _stream(ctx, stream, response_id, req.n, include_usage, reader, continuous)
     final = await accumulate(stream)
 
     def build() -> bytes:  # on a worker: logprobs of n=128 x 512 tokens are 1.3M entries
@@ -168,9 +170,28 @@ def _finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:
 
 
 async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], response_id: str,
-                  n: int, include_usage: bool, reader: Callable[[], ChoiceReader]
-                  ) -> AsyncIterator[str]:
+                  n: int, include_usage: bool, reader: Callable[[], ChoiceReader],
+                  continuous: bool = False) -> AsyncIterator[str]:
+    """``continuous``: every chunk carries the usage so far (vLLM's
+    ``stream_options.continuous_usage_stats``)."""
     created = created_now()
+    outputs = aiter(stream)
+    # the first chunks carry the prompt's size: wait for the first output (which has it)
+    # only when they must say it
+    first = await anext(outputs, None) if continuous else None
+
+    async def all_outputs() -> AsyncIterator[RequestOutput]:
+        if first is not None:
+            yield first
+        async for out in outputs:
+            yield out
+
+    def usage_so_far(out: RequestOutput | None, generated: int | None = None
+                     ) -> dict[str, Any]:
+        if not continuous or out is None:
+            return {}
+        done = out.num_generated_tokens if generated is None else generated
+        return {"usage": usage(len(out.prompt_token_ids), done)}
 
     def chunk(choices: list[ChatStreamChoice],
               logprobs: list[dict[str, Any] | None] | None = None, **extra: object) -> str:
@@ -181,11 +202,12 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
         return sse_chunk(body, logprobs)
 
     for i in range(n):
-        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    **usage_so_far(first, generated=0))
     readers = [reader() for _ in range(n)]
     final: RequestOutput | None = None
     ended: set[int] = set()
-    async for out in stream:
+    async for out in all_outputs():
         final = out
         choices = []
         logprobs: list[dict[str, Any] | None] = []
@@ -211,7 +233,7 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
             logprobs.append(ctx.logprobs.chat_dict(c.logprobs) if c.logprobs else None)
         # one choice per chunk, as vLLM streams n > 1 (clients index chunk.choices[0])
         for choice, choice_logprobs in zip(choices, logprobs):
-            yield chunk([choice], [choice_logprobs])
+            yield chunk([choice], [choice_logprobs], **usage_so_far(out))
     if include_usage and final is not None:
         yield chunk([], usage=usage(len(final.prompt_token_ids), final.num_generated_tokens))
     yield sse("[DONE]")

@@ -37,7 +37,6 @@ from server.engine.inputs import PromptBuilder, PromptInput
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 
-
 # vLLM's words (its clients match them); prompt_embeds is refused when given, see
 # request_checks.py
 EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
@@ -98,8 +97,7 @@ async def create_completion(
         raise
     response_id = f"cmpl-{tag.request_id}"
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(ctx, streams, response_id, req, prompts, include_usage)
+        return _stream(ctx, streams, response_id, req, prompts)
     finals: dict[int, RequestOutput] = {}
     async for i, out in merge(streams):
         if i in finals:
@@ -132,9 +130,13 @@ async def create_completion(
 
 
 async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput]],
-                  response_id: str, req: CompletionRequest, prompts: list[str | list[int]],
-                  include_usage: bool) -> AsyncIterator[str]:
+                  response_id: str, req: CompletionRequest, prompts: list[str | list[int]]
+                  ) -> AsyncIterator[str]:
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
     created = created_now()
+    choice_tokens: dict[int, int] = {}
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
     ended: set[int] = set()
@@ -168,6 +170,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
                 ended.add(index)
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(c.text)
+            choice_tokens[index] = choice_tokens.get(index, 0) + len(c.token_ids)
             choices.append(CompletionChoice(
                 index=index, text=text,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -176,7 +179,10 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
                             if c.logprobs else None)
         # one choice per chunk, as vLLM streams n > 1 (clients index chunk.choices[0])
         for choice, choice_logprobs in zip(choices, logprobs):
-            yield chunk([choice], [choice_logprobs])
+            # continuous usage: the prompt's tokens and this choice's tokens so far, as vLLM
+            extra = {"usage": usage(prompt_tokens[i], choice_tokens[choice.index])} \
+                if continuous else {}
+            yield chunk([choice], [choice_logprobs], **extra)
     if include_usage:
         yield chunk([], usage=usage(sum(prompt_tokens.values()), sum(generated.values())))
     yield sse("[DONE]")

@@ -91,6 +91,28 @@ def test_streamed_n_sends_one_choice_per_chunk(client, model_name: str, endpoint
     assert texts == expected
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats(client, model_name: str, endpoint: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk says the usage so far, and
+    the completion tokens count up to the final usage."""
+    common = dict(model=model_name, max_tokens=6, temperature=0, stream=True,
+                  stream_options={"include_usage": True, "continuous_usage_stats": True},
+                  extra_body={"ignore_eos": True})
+    if endpoint == "chat":
+        chunks = list(client.chat.completions.create(messages=MESSAGES, **common))
+    else:
+        chunks = list(client.completions.create(prompt="the quick", **common))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    plain = dict(common, stream_options={"include_usage": True})
+    plain_chunks = list(client.chat.completions.create(messages=MESSAGES, **plain)
+                        if endpoint == "chat" else
+                        client.completions.create(prompt="the quick", **plain))
+    assert [c.usage is not None for c in plain_chunks].count(True) == 1  # the last only
+
+
 def test_completions_batch_echo_stop_and_logprobs(client, model_name: str) -> None:
     resp = client.completions.create(model=model_name, prompt=["the quick", "numbers 1 2"],
                                      max_tokens=5, temperature=0, n=2,
