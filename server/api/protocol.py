@@ -166,6 +166,8 @@ class SamplingFields(RequestModel):
         None, min_length=1)
     guided_grammar: SpecText | None = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text
+    return_token_ids: bool = False
 
     @field_validator("stream_options")
     @classmethod
@@ -254,6 +256,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -264,6 +267,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -292,6 +296,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # this chunk's, with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -302,6 +307,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str
+    prompt_token_ids: list[int] | None = None  # the first chunk's, with return_token_ids
 
 
 class CompletionChoice(BaseModel):
@@ -310,6 +316,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # with return_token_ids (streamed: the prompt's in a choice's first chunk only)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

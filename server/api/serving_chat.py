@@ -91,7 +91,8 @@ async def create_chat_completion(
         options = req.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options and options.continuous_usage_stats)
-        return _stream(ctx, stream, response_id, req.n, include_usage, reader, continuous)
+        return _stream(ctx, stream, response_id, req.n, include_usage, reader, continuous,
+                       req.return_token_ids)
     final = await accumulate(stream)
 
     def build() -> bytes:  # on a worker: logprobs of n=128 x 512 tokens are 1.3M entries
@@ -113,11 +114,13 @@ async def create_chat_completion(
                         name=t.name, arguments=t.arguments)) for t in parts.tool_calls]),
                 finish_reason=_finish_reason(c.finish_reason, read),
                 stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
         skeleton = ChatCompletionResponse(
             id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
             usage=usage(len(final.prompt_token_ids), final.num_generated_tokens),
             system_fingerprint=system_fingerprint(ctx.model_name),
+            prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
         )
         return answer_bytes(skeleton, [None if c.logprobs is None
                                        else ctx.logprobs.chat_json(c.logprobs)
@@ -171,14 +174,15 @@ def _finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:
 
 async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], response_id: str,
                   n: int, include_usage: bool, reader: Callable[[], ChoiceReader],
-                  continuous: bool = False) -> AsyncIterator[str]:
+                  continuous: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
     """``continuous``: every chunk carries the usage so far (vLLM's
-    ``stream_options.continuous_usage_stats``)."""
+    ``stream_options.continuous_usage_stats``); ``token_ids``: the first chunk carries the
+    prompt's token ids and each choice its new ones (``return_token_ids``)."""
     created = created_now()
     outputs = aiter(stream)
-    # the first chunks carry the prompt's size: wait for the first output (which has it)
-    # only when they must say it
-    first = await anext(outputs, None) if continuous else None
+    # the first chunks carry the prompt's size or ids: wait for the first output (which has
+    # them) only when they must say them
+    first = await anext(outputs, None) if continuous or token_ids else None
 
     async def all_outputs() -> AsyncIterator[RequestOutput]:
         if first is not None:
@@ -202,8 +206,10 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
         return sse_chunk(body, logprobs)
 
     for i in range(n):
+        prompt_ids = ({"prompt_token_ids": list(first.prompt_token_ids)}
+                      if token_ids and first is not None and i == 0 else {})
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
-                    **usage_so_far(first, generated=0))
+                    **usage_so_far(first, generated=0), **prompt_ids)
     readers = [reader() for _ in range(n)]
     final: RequestOutput | None = None
     ended: set[int] = set()
@@ -229,6 +235,7 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
                 delta=_delta(parts),
                 finish_reason=_finish_reason(c.finish_reason, read),
                 stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if token_ids else None,
             ))
             logprobs.append(ctx.logprobs.chat_dict(c.logprobs) if c.logprobs else None)
         # one choice per chunk, as vLLM streams n > 1 (clients index chunk.choices[0])

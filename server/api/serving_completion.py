@@ -115,6 +115,9 @@ async def create_completion(
                 choices.append(CompletionChoice(
                     index=i * req.n + c.index, text=prefix + c.text,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids
+                    else None,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                 ))
                 logprobs.append(None if c.logprobs is None
                                 else ctx.logprobs.completion_dict(c.logprobs, 0))
@@ -170,10 +173,14 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
                 ended.add(index)
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(c.text)
+            first_chunk = index not in choice_tokens
             choice_tokens[index] = choice_tokens.get(index, 0) + len(c.token_ids)
             choices.append(CompletionChoice(
                 index=index, text=text,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                prompt_token_ids=list(out.prompt_token_ids)
+                if req.return_token_ids and first_chunk else None,
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
             logprobs.append(ctx.logprobs.completion_dict(c.logprobs, offset)
                             if c.logprobs else None)

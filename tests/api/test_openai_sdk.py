@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -111,6 +112,39 @@ def test_continuous_usage_stats(client, model_name: str, endpoint: str) -> None:
                         if endpoint == "chat" else
                         client.completions.create(prompt="the quick", **plain))
     assert [c.usage is not None for c in plain_chunks].count(True) == 1  # the last only
+
+
+def _detokenize(server, ids: list[int]) -> str:
+    return httpx.post(server.base_url + "/detokenize", json={"tokens": ids},
+                      timeout=30).json()["prompt"]
+
+
+def test_return_token_ids(server, client, model_name: str) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's, whole and streamed (the
+    prompt's in the first chunk only), decoding to the prompt and to the text."""
+    common = dict(model=model_name, max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    chat = client.chat.completions.create(messages=MESSAGES, **common).model_dump()
+    assert "the quick brown fox" in _detokenize(server, chat["prompt_token_ids"])
+    ids = chat["choices"][0]["token_ids"]
+    assert len(ids) == 6 and _detokenize(server, ids) == chat["choices"][0]["message"]["content"]
+    chunks = [c.model_dump() for c in client.chat.completions.create(
+        messages=MESSAGES, stream=True, **common)]
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks), []) == ids
+
+    text = client.completions.create(prompt="the quick", **common).model_dump()
+    choice = text["choices"][0]
+    assert _detokenize(server, choice["prompt_token_ids"]).endswith("the quick")
+    assert _detokenize(server, choice["token_ids"]) == choice["text"]
+    streamed = [c.model_dump()["choices"][0] for c in client.completions.create(
+        prompt="the quick", stream=True, **common)]
+    assert streamed[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert all(c.get("prompt_token_ids") is None for c in streamed[1:])
+    assert sum((c["token_ids"] for c in streamed), []) == choice["token_ids"]
+    plain = client.completions.create(model=model_name, prompt="the quick", max_tokens=2)
+    assert plain.choices[0].model_dump().get("token_ids") is None
 
 
 def test_completions_batch_echo_stop_and_logprobs(client, model_name: str) -> None:
