@@ -185,6 +185,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the last message stays open for the model to continue (a prefilled answer)
+    continue_final_message: bool = False
     tools: list[ChatTool] | None = Field(None, max_length=256)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

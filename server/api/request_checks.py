@@ -52,7 +52,6 @@ _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     # --trust-request-chat-template
     "chat_template": _unset,
     "documents": _unset,
-    "continue_final_message": _unset,
     "echo": _unset,
     "add_special_tokens": _unset,
 }

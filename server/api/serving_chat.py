@@ -63,6 +63,9 @@ async def create_chat_completion(
                  max_tokens=max_tokens, logprobs=logprobs, logprobs_field="top_logprobs",
                  max_tokens_field="max_completion_tokens" if req.max_completion_tokens
                  else "max_tokens")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
+                            "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
     template_kwargs = _template_kwargs(req.chat_template_kwargs)
     params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
@@ -74,7 +77,7 @@ async def create_chat_completion(
             messages = template_messages([m.model_dump(exclude_none=True)
                                           for m in req.messages])
             text = tok.apply_chat_template(messages, req.add_generation_prompt, plan.tools,
-                                           template_kwargs)
+                                           template_kwargs, req.continue_final_message)
             ids = tok.encode(text, add_special_tokens=False)
         except ValueError as exc:  # no template, unsupported content parts, template errors
             raise APIError(400, str(exc), "messages") from None

@@ -122,10 +122,12 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Prompt text for ``messages``; content may be a str or a list of text parts.
         ``tools`` (OpenAI's function definitions) and ``template_kwargs`` (variables such as
-        ``enable_thinking``) are handed to the template.
+        ``enable_thinking``) are handed to the template. ``continue_final_message``: the
+        last message is left open (no end of turn after it) for the model to go on with.
 
         Raises ``ValueError`` when the tokenizer has no chat template, a part isn't text,
         or the template fails on these messages.
@@ -143,6 +145,7 @@ class Tokenizer:
                 tools=tools or None,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 **(template_kwargs or {}),
             )
         except TemplateError as exc:  # raise_exception() in templates, undefined variables

@@ -147,6 +147,30 @@ def test_return_token_ids(server, client, model_name: str) -> None:
     assert plain.choices[0].model_dump().get("token_ids") is None
 
 
+def test_continue_final_message(server, client, model_name: str) -> None:
+    """vLLM's continue_final_message: the last (assistant) message stays open, so the
+    prompt ends with its text, not with an end of turn or a new turn."""
+    saying = "An apple a day keeps"
+    messages = [{"role": "user", "content": "tell me a common saying"},
+                {"role": "assistant", "content": saying}]
+    reply = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=3, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "return_token_ids": True, "ignore_eos": True})
+    open_ids = reply.model_dump()["prompt_token_ids"]
+    prompt = _detokenize(server, open_ids)
+    assert prompt.endswith(saying) and prompt.count(saying) == 1
+    closed = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=1, temperature=0,
+        extra_body={"add_generation_prompt": False, "return_token_ids": True})
+    # without it the turn is closed: the same ids, then the end-of-turn token(s)
+    closed_ids = closed.model_dump()["prompt_token_ids"]
+    assert len(closed_ids) > len(open_ids) and closed_ids[:len(open_ids)] == open_ids
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+
+
 def test_completions_batch_echo_stop_and_logprobs(client, model_name: str) -> None:
     resp = client.completions.create(model=model_name, prompt=["the quick", "numbers 1 2"],
                                      max_tokens=5, temperature=0, n=2,
