@@ -55,7 +55,7 @@ class RequestRecord:
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     failure: str | None = None  # an engine stream that ended in an exception
-    prompt_texts: list[Any] = field(default_factory=list)  # only with --log-prompts
+    prompt_texts: list[str] = field(default_factory=list)  # only with --log-prompts
     output_texts: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def answered(self, body: bytes) -> None:
@@ -110,15 +110,14 @@ class RequestLog:
         if record.failure is not None:
             fields["failure"] = record.failure
         if self.with_text and record.prompts:
-            fields["prompt"] = [self._cut(p) for p in record.prompt_texts]
-            fields["output"] = [self._cut(t) for t in record.output_texts.values()]
+            fields["prompt"] = record.prompt_texts
+            fields["output"] = [self.cut(t) for t in record.output_texts.values()]
         level = logging.WARNING if fields["status"] >= 500 else logging.INFO
         logger.log(level, "Finished request %s", record.request_id, extra={FIELDS: fields})
 
-    def _cut(self, text: Any) -> Any:
-        if self.max_len is None:
-            return text
-        return text[: self.max_len]
+    def cut(self, text: str) -> str:
+        """``text`` within ``--max-log-len`` characters."""
+        return text if self.max_len is None else text[: self.max_len]
 
     def params_of(self, params: SamplingParams) -> dict[str, Any]:
         data = params.model_dump(exclude=BULKY)
@@ -165,8 +164,10 @@ class LoggedEngine:
         record.n = given.params.n
         if record.params is None:
             record.params = self._log.params_of(given.params)
-        if self._log.with_text:
-            record.prompt_texts.append(given.prompt)
+        if self._log.with_text:  # the prompt as the model reads it (a chat: templated)
+            prompt = given.prompt
+            text = prompt if isinstance(prompt, str) else self._engine.tokenizer.decode(prompt)
+            record.prompt_texts.append(self._log.cut(text))
 
 
 def _builder(prompt: str | list[int], params: SamplingParams | None) -> PromptBuilder:

@@ -45,7 +45,7 @@ class LoggingConfig:
              "data: keep off in production)")
     max_log_len: int | None = flag(
         None, group=LOGGING,
-        help="with --log-prompts: characters (or token ids) of a prompt or output logged "
+        help="with --log-prompts: characters of each prompt and output logged "
              "(None: all of it)")
     disable_log_stats: bool = flag(
         False, group=LOGGING,
