@@ -120,13 +120,14 @@ def serve(args: argparse.Namespace) -> int:
     from server.engine.async_engine import AsyncEngine
     from server.models.errors import ModelFileError
 
-    init_logging()
     try:  # a bad flag or variable: one line naming it, before anything loads
         engine_cfg = engine_config_from_args(args)
         server_cfg = server_config_from_args(args)
         chat_parsers(server_cfg.chat)  # an unknown parser name fails before the model loads
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    # before anything loads: every line of the run in --log-format, workers' included
+    init_logging(server_cfg.logging.log_format)
     engine_dead = threading.Event()
 
     def engine_died(exc: BaseException) -> None:  # on the engine's thread
@@ -134,7 +135,8 @@ def serve(args: argparse.Namespace) -> int:
         engine_dead.set()
 
     try:
-        engine = AsyncEngine.from_config(engine_cfg, on_dead=engine_died)  # load + KV sizing
+        engine = AsyncEngine.from_config(  # load + KV sizing
+            engine_cfg, on_dead=engine_died, stats_interval=server_cfg.logging.stats_interval)
     except ModelFileError as exc:  # a damaged or mismatched model: one line, no traceback
         raise SystemExit(f"error: {exc}") from None
     # every bucket compiled/captured before the port opens, on the thread that will serve

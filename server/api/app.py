@@ -33,6 +33,7 @@ from server.api.protocol import (
 )
 from server.api.request_body import body_schema, parse_body
 from server.api.request_checks import check_messages
+from server.api.request_log import LoggedEngine, RequestLog
 from server.api.serving import (
     EngineClient,
     RequestTag,
@@ -55,6 +56,9 @@ LAG_PROBE_INTERVAL_S = 0.1
 
 def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     """The app serving ``engine``; the engine starts and stops with the app's lifespan."""
+    request_log = RequestLog(cfg.logging) if cfg.logging.enable_log_requests else None
+    if request_log is not None:  # the handlers' submissions fill in each request's line
+        engine = LoggedEngine(engine, request_log)
     metrics = ServerMetrics(engine.model_name, engine.stats, alive=lambda: engine.is_alive)
     # The device layer's registry is itself a collector: folded into one /metrics.
     metrics.registry.register(engine.metrics_registry)
@@ -91,7 +95,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
     )
     app.add_middleware(GuardMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        fair_share=cfg.fair_share,
-                       max_request_id_length=cfg.max_request_id_length)
+                       max_request_id_length=cfg.max_request_id_length,
+                       request_log=request_log)
     app.state.health_stall_timeout = cfg.health_stall_timeout
     return app
 

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.protocol import ErrorInfo, ErrorResponse
 from server.engine.errors import EngineDeadError, RequestError, RequestFailedError
+from server.log import current_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +64,10 @@ def error_code(status: int) -> str:
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object as a dict (also used outside FastAPI: middleware, protocol)."""
+    """OpenAI's error object as a dict (also used outside FastAPI: middleware, protocol),
+    with the request's id when it answers one (the id its log lines carry)."""
     info = ErrorInfo(message=message, type=error_type(status), param=param,
-                     code=code or error_code(status))
+                     code=code or error_code(status), request_id=current_request_id())
     return ErrorResponse(error=info).model_dump()
 
 

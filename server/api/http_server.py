@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import LOGGING_CONFIG
 
 from server.api.connections import ConnectionBook, ConnectionLimits, protocol_factory
 from server.config import ServerConfig
+from server.log import uvicorn_log_config
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ class HttpServer:
         config = uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
             access_log=not cfg.disable_access_log,
+            # --log-format json: uvicorn's lines through the same JSON formatter
+            log_config=uvicorn_log_config(cfg.logging.log_format, LOGGING_CONFIG),
             timeout_graceful_shutdown=math.ceil(cfg.shutdown_timeout + FLUSH_SECONDS),
             timeout_keep_alive=cfg.timeout_keep_alive,
             # h11 with idle and request deadlines and a JSON 503 cap on requests in flight

@@ -1,4 +1,9 @@
-"""ASGI middleware: API key, request ids, client identity, body size limit."""
+"""ASGI middleware: API key, request ids, client identity, body size limit, request logs.
+
+The request id (the client's X-Request-Id, or a fresh one) is echoed in the response's
+headers and bound to the request's context (``server.log.request_context``): every line
+logged while it is served, uvicorn's access line included, and its error bodies carry it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import uuid
 from typing import Any
 
 from server.api.errors import error_body
+from server.api.request_log import RequestLog, RequestRecord
 from server.config import FairShare
+from server.log import request_context
 
 Scope = dict[str, Any]
 
@@ -41,16 +48,19 @@ def client_key(scope: Scope, headers: dict[str, str], fair_share: FairShare) -> 
 
 
 class GuardMiddleware:
-    """Checks the bearer key on /v1/*, caps body size, tags responses with X-Request-Id and
-    names the client (``scope["state"]["client"]``) for fair admission.
+    """Checks the bearer key on /v1/*, caps body size, tags responses and logs with
+    X-Request-Id, names the client (``scope["state"]["client"]``) for fair admission and,
+    given a ``request_log`` (``--enable-log-requests``), writes each request's line.
 
     Plain ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched.
     """
 
     def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
                  fair_share: FairShare = FairShare.ADDRESS,
-                 max_request_id_length: int = 256) -> None:
+                 max_request_id_length: int = 256,
+                 request_log: RequestLog | None = None) -> None:
         self.app = app
+        self.request_log = request_log
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.fair_share = fair_share
@@ -68,12 +78,25 @@ class GuardMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         state["client"] = client_key(scope, headers, self.fair_share)
+        with request_context(request_id):
+            if self.request_log is None:
+                await self._guarded(scope, receive, send, headers, request_id, too_long, None)
+                return
+            with self.request_log.logged(request_id, scope["method"], scope["path"]) as record:
+                await self._guarded(scope, receive, send, headers, request_id, too_long,
+                                    record)
 
+    async def _guarded(self, scope: Scope, receive: Any, send: Any, headers: dict[str, str],
+                       request_id: str, too_long: bool, record: RequestRecord | None) -> None:
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 message.setdefault("headers", [])
                 message["headers"] = list(message["headers"]) + [
                     (b"x-request-id", request_id.encode("latin-1"))]
+                if record is not None:
+                    record.status = message["status"]
+            elif record is not None and message["type"] == "http.response.body":
+                record.answered(message.get("body", b""))
             await send(message)
 
         if too_long:

@@ -377,6 +377,7 @@ class ErrorInfo(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None  # OpenAI: a string or null (vLLM sends the status as an int)
+    request_id: str | None = None  # the X-Request-Id it answers (hpu-serve's addition)
 
 
 class ResetPrefixCacheResponse(BaseModel):

@@ -24,6 +24,7 @@ from server.config.engine import (
     make_engine_config,
     server_config_from_args,
 )
+from server.config.logging import LogFormat, LoggingConfig
 from server.config.model import CacheConfig, GiB, ModelOptions
 from server.config.scheduler import MIN_BATCHED_TOKENS, SchedulerConfig, SchedulerLimits
 from server.config.server import (
@@ -38,7 +39,7 @@ from server.config.structured import StructuredOutputsBackend, StructuredOutputs
 __all__ = [
     "MIN_BATCHED_TOKENS", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
     "ChatOptions", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode", "FairShare",
-    "GiB", "ModelOptions", "ParallelConfig", "RequestLimits", "SchedulerConfig",
+    "GiB", "LogFormat", "LoggingConfig", "ModelOptions", "ParallelConfig", "RequestLimits", "SchedulerConfig",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",
     "WarmupConfig", "add_engine_args", "add_server_args", "api_key_from_env",
     "bucketing_config_from_env", "engine_config_from_args", "make_engine_config",

@@ -23,7 +23,9 @@ from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
+from server.engine.stats_log import StatsLog
 from server.engine.tokenizer import Tokenizer
+from server.log import current_request_id, request_context
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,6 +35,7 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     state: RequestState
+    log_id: str | None = None  # the HTTP request's id, for lines logged while queueing it
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +109,8 @@ class AsyncEngine:
     """
 
     def __init__(self, engine_factory: Callable[[Callable[[BaseException], None]], LLMEngine],
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 stats_interval: float | None = None) -> None:
         # Called (from the engine thread) once the loop has died: the server uses it to
         # stop and exit non-zero, so an orchestrator restarts it instead of a zombie 503.
         self._on_dead = on_dead
@@ -128,11 +132,16 @@ class AsyncEngine:
         self._thread.start()
         # the factory gets the engine's fault listener: a worker rank's death comes here
         self._engine = self.call(engine_factory, self._fault)
+        # the periodic stats line (None: --disable-log-stats), a task on the loop
+        self._stats_log = None if stats_interval is None else StatsLog(
+            stats_interval, self.stats, self._engine.counters)
+        self._stats_task: asyncio.Task[None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig,
-                    on_dead: Callable[[BaseException], None] | None = None) -> AsyncEngine:
-        return cls(functools.partial(LLMEngine, config), on_dead)
+                    on_dead: Callable[[BaseException], None] | None = None,
+                    stats_interval: float | None = None) -> AsyncEngine:
+        return cls(functools.partial(LLMEngine, config), on_dead, stats_interval)
 
     @property
     def engine(self) -> LLMEngine:
@@ -182,8 +191,12 @@ class AsyncEngine:
     def start(self) -> None:
         """Binds to the running event loop: from now on outputs flow to request streams."""
         self._loop = asyncio.get_running_loop()
+        if self._stats_log is not None:
+            self._stats_task = self._loop.create_task(self._stats_log.run())
 
     async def shutdown(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         self._stopping = True
         self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join, 30)
@@ -244,7 +257,7 @@ class AsyncEngine:
         if self._streams.get(request_id) is not stream:  # aborted meanwhile (shutdown)
             self._transit(-1)
             raise RequestError("the request was aborted before it was queued", "request_id")
-        self._commands.put(AddRequest(state))
+        self._commands.put(AddRequest(state, current_request_id()))
         return stream
 
     async def _grammar(self, state: RequestState, client: str) -> None:
@@ -318,7 +331,8 @@ class AsyncEngine:
                 return
             block = False
             if isinstance(command, AddRequest):
-                self._add(command.state)
+                with request_context(command.log_id):
+                    self._add(command.state)
             elif isinstance(command, AbortRequest):
                 self.engine.abort_request(command.request_id)
             elif isinstance(command, AbortAll):
@@ -349,6 +363,8 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _push_outputs(self, outputs: list[RequestOutput]) -> None:
+        if self._stats_log is not None:
+            self._stats_log.count(outputs)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

@@ -114,8 +114,9 @@ def dequantized_tensors(reader: Any, cfg: ModelConfig, meta: bool = False,
 
     names = block_names(cfg)
     pending: dict[tuple[int, str], torch.Tensor] = {}  # one half of a layer's gate/up
+    # disable=None: no bar unless stderr is a terminal (a log file or pipeline gets none)
     tensors = reader.tensors if meta else tqdm(reader.tensors, desc="Dequantizing GGUF",
-                                               unit="tensor", leave=False)
+                                               unit="tensor", leave=False, disable=None)
     for t in tensors:
         parsed = parse_block_tensor(t.name, names)
         if parsed is not None:

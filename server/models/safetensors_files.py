@@ -61,7 +61,9 @@ def _keys(folder: Path, desc: str | None) -> Iterator[tuple[Any, str, Path]]:
     files = safetensors_files(folder)
     handles = [(_open(f), f) for f in files]
     keys = [(h, k, f) for h, f in handles for k in h.keys()]
-    return iter(keys) if desc is None else tqdm(keys, desc=desc, unit="tensor", leave=False)
+    # disable=None: no bar unless stderr is a terminal (a log file or pipeline gets none)
+    return iter(keys) if desc is None else tqdm(keys, desc=desc, unit="tensor", leave=False,
+                                                disable=None)
 
 
 def safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -193,6 +193,19 @@ def test_all_on_values_reach_the_daemon() -> None:
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 
+def test_log_format_reaches_the_daemon() -> None:
+    for value in ("text", "json"):
+        multi = {"multiHost": {"enabled": True}, "tensorParallelSize": 2}
+        for docs in (render({"logFormat": value}), render({"logFormat": value, **multi})):
+            args = container(docs)["args"]  # the serving container, leader of a group too
+            assert args[args.index("--log-format") + 1] == value
+    args = container(render({}))["args"]
+    assert args[args.index("--log-format") + 1] == "text"  # the daemon's default
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmValuesError) as info:
+        chart.render({"logFormat": "xml"}, name="demo", namespace="serving")
+    assert "/logFormat" in str(info.value)
+
+
 def test_model_sources() -> None:
     host = render(load_values("cpu"))
     pod = host["Deployment"]["spec"]["template"]["spec"]

@@ -21,9 +21,10 @@ import threading
 import time
 from typing import cast
 
-from server.config import EngineConfig
+from server.config import EngineConfig, LogFormat
 from server.engine.executor.base import RankExecutor, serve_rank
 from server.hpu.platform import Platform
+from server.log import active_format, init_logging
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class MultiprocExecutor(RankExecutor):
         spawn = multiprocessing.get_context("spawn")  # fork can hang device runtimes
         self.workers = [
             spawn.Process(target=worker_main,
-                          args=(config, rank, _LOOPBACK, port, rank, os.getpid()),
+                          args=(config, rank, _LOOPBACK, port, rank, os.getpid(),
+                                active_format()),
                           name=f"{_WORKER_NAME}{rank}")
             for rank in range(1, self.world_size)
         ]
@@ -92,14 +94,12 @@ class MultiprocExecutor(RankExecutor):
 
 
 def worker_main(config: EngineConfig, rank: int, host: str, port: int, local_rank: int,
-                parent_pid: int) -> None:
-    """Entry point of an mp worker: ignore the process group's signals, follow the parent
-    (rank 0) out, then :func:`serve_rank`."""
-    from server.log import init_logging
-
+                parent_pid: int, log_format: LogFormat = LogFormat.TEXT) -> None:
+    """Entry point of an mp worker: ignore the process group's signals, log as rank 0 does
+    (``log_format``), follow the parent (rank 0) out, then :func:`serve_rank`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    init_logging()
+    init_logging(log_format)
     _exit_with_parent(parent_pid)
     try:
         serve_rank(config, rank, host, port, local_rank)

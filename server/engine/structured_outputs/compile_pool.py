@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
 
 from server.engine.structured_outputs.limits import GrammarSource
+from server.log import active_format
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +253,8 @@ class GrammarPool:
     def _spawn(self) -> None:
         ours, theirs = Pipe()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server.engine.structured_outputs.compile_worker", str(theirs.fileno())],
+            [sys.executable, "-m", "server.engine.structured_outputs.compile_worker",
+             str(theirs.fileno()), str(active_format())],  # it logs as this process does
             cwd=_PACKAGE_ROOT, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL)
         theirs.close()

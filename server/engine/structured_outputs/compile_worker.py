@@ -1,6 +1,7 @@
 """A grammar compile worker: a child process that compiles the constraints it is sent and
 says how long each took. Run by ``compile_pool`` as
-``python -m server.engine.structured_outputs.compile_worker FD`` (FD: its end of a socket pair).
+``python -m server.engine.structured_outputs.compile_worker FD FORMAT`` (FD: its end of a
+socket pair; FORMAT: the server's ``--log-format``, so that its lines match the server's).
 
 It exists to be killed: xgrammar's compilation cannot be interrupted, so a constraint that
 overruns ``--grammar-compile-timeout`` costs this process, not a thread of the server.
@@ -115,6 +116,11 @@ def serve(conn: Connection) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """``argv``: [program, FD, log format (the server's ``--log-format``; text if absent)]."""
+    from server.config.logging import LogFormat
+    from server.log import init_logging
+
+    init_logging(LogFormat(argv[2]) if len(argv) > 2 else LogFormat.TEXT)
     return serve(Connection(int(argv[1])))
 
 

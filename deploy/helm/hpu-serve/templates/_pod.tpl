@@ -121,6 +121,8 @@ spec:
         - {{ $e.maxWaitingRequests | quote }}
         - --shutdown-timeout
         - {{ $e.shutdownTimeout | quote }}
+        - --log-format
+        - {{ $v.logFormat | quote }}
         {{- if not (kindIs "invalid" $e.maxModelLen) }}
         - --max-model-len
         - {{ $e.maxModelLen | int | quote }}
