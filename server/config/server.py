@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from server.config.fields import env_value, fixed, flag, option, section
+from server.config.tracing import TRACING, TracingConfig
 
 MiB = 1 << 20
 # --api-key's variable, which clients of this server (buckets --suggest) read too
@@ -99,6 +100,7 @@ class ServerConfig:
                                     help="no log line per request")
     limits: RequestLimits = section(RequestLimits, group=LIMITS)
     chat: ChatOptions = section(ChatOptions, group=CHAT)
+    tracing: TracingConfig = section(TracingConfig, group=TRACING)
     # Connections (uvicorn's names where it has them)
     timeout_keep_alive: float = flag(5.0, group=CONNECTIONS,
                                      help="seconds an idle keep-alive connection stays open")
