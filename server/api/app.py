@@ -46,6 +46,7 @@ from server.api.serving import (
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
 from server.api.tools import template_messages
+from server.api.tracing import RequestTracer, trace_headers_of
 from server.api.workers import PreprocessPool
 from server.config import FairShare, ServerConfig
 from server.metrics import ServerMetrics
@@ -54,8 +55,10 @@ from server.metrics import ServerMetrics
 LAG_PROBE_INTERVAL_S = 0.1
 
 
-def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
-    """The app serving ``engine``; the engine starts and stops with the app's lifespan."""
+def build_app(engine: EngineClient, cfg: ServerConfig,
+              tracer: RequestTracer | None = None) -> FastAPI:
+    """The app serving ``engine``; the engine starts and stops with the app's lifespan.
+    ``tracer``: where request spans go (default: as ``cfg.tracing`` says)."""
     request_log = RequestLog(cfg.logging) if cfg.logging.enable_log_requests else None
     if request_log is not None:  # the handlers' submissions fill in each request's line
         engine = LoggedEngine(engine, request_log)
@@ -67,7 +70,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig) -> FastAPI:
                          cfg.max_waiting_requests, cfg.limits, cfg.chat, tool_parser,
                          reasoning_parser, PreprocessPool(cfg.preprocess_workers),
                          ClientSeqs(cfg.max_client_seqs, cfg.fair_share is not FairShare.OFF,
-                                    metrics.registry))
+                                    metrics.registry),
+                         tracer or RequestTracer.from_config(cfg.tracing, engine.model_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -119,7 +123,8 @@ class JSONBytes(Response):
 
 def _tag(request: Request) -> RequestTag:
     state = request.scope.get("state", {})
-    return RequestTag(str(state.get("request_id")), str(state.get("client", "addr:unknown")))
+    return RequestTag(str(state.get("request_id")), str(state.get("client", "addr:unknown")),
+                      trace_headers=trace_headers_of(request.headers))
 
 
 async def _until_disconnect(request: Request, work: Awaitable[object]) -> object:

@@ -24,6 +24,7 @@ from server.api.protocol import ChatMessage, SamplingFields, UsageInfo
 from server.api.reasoning_parsers import ReasoningParser
 from server.api.structured import structured_outputs_of
 from server.api.tool_parsers import ToolParser
+from server.api.tracing import RequestTracer, TraceHook
 from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 from server.config import ChatOptions, RequestLimits
 from server.engine.inputs import Offload, PromptBuilder
@@ -96,6 +97,8 @@ class ServingContext:
     workers: PreprocessPool = field(default_factory=lambda: PreprocessPool(4))
     # sequences per client (--max-client-seqs) and the fair share of the waiting queue
     clients: ClientSeqs = field(default_factory=ClientSeqs)
+    # --otlp-traces-endpoint: a span per request (None: tracing off)
+    tracer: RequestTracer | None = None
     # the engine's tokenizer's logprob texts, cached per token id
     logprobs: LogprobFormatter = field(init=False)
 
@@ -113,6 +116,8 @@ class RequestTag:
     request_id: str
     client: str = "addr:unknown"
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # the W3C trace-context headers it came with (traceparent, tracestate): its span's parent
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
     def engine_id(self, index: int | None = None) -> str:
         base = f"{self.request_id}-{self.nonce}"
@@ -216,12 +221,23 @@ async def submit(ctx: ServingContext, tag: RequestTag, build: PromptBuilder, n: 
     return AdmittedStream(stream, lease)
 
 
-class MetricsTap:
-    """Records token counters and latencies as one request's outputs flow past."""
+def request_tap(ctx: ServingContext, params: SamplingParams, tag: RequestTag,
+                index: int | None = None) -> MetricsTap:
+    """The tap of one engine request: its metrics, and its span when tracing is on."""
+    trace = None if ctx.tracer is None else ctx.tracer.hook(
+        tag.request_id, dict(tag.trace_headers), params, index)
+    return MetricsTap(ctx.metrics, params, trace)
 
-    def __init__(self, metrics: ServerMetrics, params: SamplingParams) -> None:
+
+class MetricsTap:
+    """Records token counters and latencies as one request's outputs flow past; ``trace``
+    gets the final output."""
+
+    def __init__(self, metrics: ServerMetrics, params: SamplingParams,
+                 trace: TraceHook | None = None) -> None:
         self.metrics = metrics
         self.params = params
+        self.trace = trace
         self.last_token_time: float | None = None
         self.started = False
 
@@ -241,6 +257,8 @@ class MetricsTap:
         m.generation_tokens.inc(new_tokens)
         if out.finished:
             m.record_finished(out, self.params.n, self.params.max_tokens)
+            if self.trace is not None:
+                self.trace(out)
 
 
 async def tapped(stream: AsyncIterator[RequestOutput], tap: MetricsTap

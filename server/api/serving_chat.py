@@ -26,7 +26,6 @@ from server.api.protocol import (
 )
 from server.api.request_checks import check_limits, check_messages, reject_unsupported
 from server.api.serving import (
-    MetricsTap,
     RequestTag,
     ServingContext,
     accumulate,
@@ -36,6 +35,7 @@ from server.api.serving import (
     created_now,
     json_answer,
     refuse_oversized,
+    request_tap,
     sse,
     sse_chunk,
     submit,
@@ -84,7 +84,7 @@ async def create_chat_completion(
         return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text))
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
-    stream = tapped(await submit(ctx, tag, build, params.n), MetricsTap(ctx.metrics, params))
+    stream = tapped(await submit(ctx, tag, build, params.n), request_tap(ctx, params, tag))
     response_id = f"chatcmpl-{tag.request_id}"
 
     def reader() -> ChoiceReader:

@@ -17,7 +17,6 @@ from server.api.protocol import (
 )
 from server.api.request_checks import check_limits, reject_unsupported
 from server.api.serving import (
-    MetricsTap,
     RequestTag,
     ServingContext,
     build_sampling_params,
@@ -26,6 +25,7 @@ from server.api.serving import (
     json_answer,
     merge,
     refuse_oversized,
+    request_tap,
     sse,
     sse_chunk,
     submit,
@@ -90,7 +90,8 @@ async def create_completion(
             field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
             stream = await submit(ctx, tag, _builder(ctx, prompt, field, params), params.n,
                                   index=i)
-            streams.append(tapped(stream, MetricsTap(ctx.metrics, params)))
+            index = i if len(prompts) > 1 else None
+            streams.append(tapped(stream, request_tap(ctx, params, tag, index)))
     except BaseException:
         for i in range(len(streams)):
             ctx.engine.abort(tag.engine_id(i))

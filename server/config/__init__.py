@@ -35,13 +35,15 @@ from server.config.server import (
     api_key_from_env,
 )
 from server.config.structured import StructuredOutputsBackend, StructuredOutputsConfig
+from server.config.tracing import OtlpProtocol, TracingConfig
 
 __all__ = [
     "MIN_BATCHED_TOKENS", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
     "ChatOptions", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode", "FairShare",
-    "GiB", "LogFormat", "LoggingConfig", "ModelOptions", "ParallelConfig", "RequestLimits", "SchedulerConfig",
+    "GiB", "LogFormat", "LoggingConfig", "ModelOptions", "OtlpProtocol", "ParallelConfig",
+    "RequestLimits", "SchedulerConfig",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",
-    "WarmupConfig", "add_engine_args", "add_server_args", "api_key_from_env",
+    "TracingConfig", "WarmupConfig", "add_engine_args", "add_server_args", "api_key_from_env",
     "bucketing_config_from_env", "engine_config_from_args", "make_engine_config",
     "server_config_from_args",
 ]

@@ -333,9 +333,18 @@ def parse_number(raw: str) -> float:
 
 
 def _parser_for(tp: Any) -> Callable[[str], Any]:
+    if _is_enum(tp):
+        return lambda raw: _parse_enum(tp, raw)
     parsers: dict[Any, Callable[[str], Any]] = {bool: parse_bool, int: parse_count,
                                                 float: parse_number, str: str}
     return parsers[tp]
+
+
+def _parse_enum(tp: type[enum.Enum], raw: str) -> enum.Enum:
+    try:
+        return tp(raw)
+    except ValueError:
+        raise ValueError(f"must be one of {', '.join(str(m.value) for m in tp)}") from None
 
 
 def env_help(*classes: type) -> str:

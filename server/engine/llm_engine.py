@@ -206,6 +206,9 @@ class LLMEngine:
         if self._structured is not None and sampled.seqs:
             bitmask = self._structured.bitmask([s.grammar for s in sampled.seqs])
         result = self.runner.execute(batch, bitmask)
+        requests = self.output_processor.requests
+        for seq in batch.seqs:  # what its trace tells: the buckets the request ran in
+            requests[seq.request_id].metrics.ran_in(result.bucket)
         self.scheduler.advance(batch)
         if self.block_manager.enable_caching:
             for seq in batch.seqs:  # their K/V are in the cache now: full blocks can be shared

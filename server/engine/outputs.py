@@ -7,6 +7,10 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# Distinct buckets a request remembers (a trace attribute): eager steps run in exact shapes,
+# a new one nearly every decode step, so the list is capped; the first ones are kept.
+MAX_REQUEST_BUCKETS = 16
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -62,6 +66,14 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # the distinct buckets its steps ran in ("phase:batch,query,blocks"), first seen first;
+    # a tuple: outputs share it with the engine thread, which replaces rather than mutates
+    buckets: tuple[str, ...] = ()
+
+    def ran_in(self, bucket: str) -> None:
+        """Records the bucket of a step the request took part in."""
+        if bucket and bucket not in self.buckets and len(self.buckets) < MAX_REQUEST_BUCKETS:
+            self.buckets += (bucket,)
 
 
 @dataclass(slots=True)
@@ -115,3 +127,5 @@ class ModelRunnerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # the step's bucket, "phase:batch,query,blocks" (the padded shape it ran in)
+    bucket: str = ""

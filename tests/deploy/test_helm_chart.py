@@ -206,6 +206,31 @@ def test_log_format_reaches_the_daemon() -> None:
     assert "/logFormat" in str(info.value)
 
 
+def test_tracing_endpoint_reaches_the_daemon() -> None:
+    """tracing.otlpEndpoint: the flag and the exporter's OTEL_* settings; unset: neither."""
+    docs = render(load_values("all-on"))
+    args, env = container(docs)["args"], env_of(docs)
+    assert flag(args, "--otlp-traces-endpoint") == "http://otel-collector.observability:4317"
+    assert {k: v for k, v in env.items() if k.startswith("OTEL_")} == {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true",
+        "OTEL_SERVICE_NAME": "llama-gaudi-serve"}
+    http = render({"tracing": {"otlpEndpoint": "http://collector:4318/v1/traces",
+                               "protocol": "http/protobuf", "insecure": False}})
+    assert flag(container(http)["args"], "--otlp-traces-endpoint") == \
+        "http://collector:4318/v1/traces"
+    assert env_of(http)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert env_of(http)["OTEL_SERVICE_NAME"] == "demo-hpu-serve"  # the release's full name
+    off = render({})
+    assert "--otlp-traces-endpoint" not in container(off)["args"]
+    assert not any(k.startswith("OTEL_") for k in env_of(off))
+    # multi-host: the leader serves and traces; the workers only hold ranks
+    multi = render(dict(load_values("multihost"), tracing={"otlpEndpoint": "http://c:4317"}))
+    assert flag(container(multi, "leader")["args"], "--otlp-traces-endpoint") == "http://c:4317"
+    worker_env = {e["name"] for e in container(multi, "worker")["env"]}
+    assert not any(name.startswith("OTEL_") for name in worker_env)
+
+
 def test_model_sources() -> None:
     host = render(load_values("cpu"))
     pod = host["Deployment"]["spec"]["template"]["spec"]
@@ -391,6 +416,8 @@ def test_parallel_settings_that_cannot_work_fail_the_install(bad: dict, message:
     ({"multiHost": {"enabled": "yes"}}, "/multiHost/enabled"),
     ({"multiHost": {"hosts": 2}}, "hosts"),
     ({"gaudi": {"shmSize": "8Gi"}}, "shmSize"),  # moved to the top level
+    ({"tracing": {"otlpEndpoint": "collector:4317"}}, "/tracing/otlpEndpoint"),  # no scheme
+    ({"tracing": {"protocol": "http/json"}}, "/tracing/protocol"),
 ])
 def test_bad_values_are_rejected_at_install_time(bad: dict, message: str) -> None:
     with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmValuesError) as info:

@@ -173,9 +173,10 @@ class ModelRunner:
             inputs = self.inputs.decode(seqs, pad_to)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
+        label = bucket_label(phase, bucket)
         rows = batch.sampling_rows  # a prompt chunk short of its end samples nothing
         if not rows:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], label)
         sampled = [seqs[row] for row in rows]
         if len(rows) < len(seqs):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
@@ -183,7 +184,7 @@ class ModelRunner:
                                          self.platform.device, token_bitmask)
         out = self.sampler(logits, sampling)
         self.graphs.sync(SyncPoint.SAMPLER)
-        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled))
+        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled), label)
 
     def _bucket(self, phase: Phase, seqs: list[Sequence], new_tokens: list[int]) -> Bucket:
         """The planned bucket that holds the batch, or its exact shape when bucketing is off
@@ -264,6 +265,11 @@ class ModelRunner:
         # No use holding more than every sequence at full length.
         return num_kv_blocks(self.platform.kv_cache_budget_bytes(cache), per_block,
                              limits.max_num_seqs * per_seq, per_seq)
+
+
+def bucket_label(phase: Phase, bucket: Bucket) -> str:
+    """How a request's trace names a step's bucket: ``prefill:1,128,0``."""
+    return f"{phase.value}:{bucket.batch},{bucket.query},{bucket.blocks}"
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

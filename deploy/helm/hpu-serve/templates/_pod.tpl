@@ -145,6 +145,10 @@ spec:
         {{- if $e.disableAccessLog }}
         - --disable-uvicorn-access-log
         {{- end }}
+        {{- with $v.tracing.otlpEndpoint }}
+        - --otlp-traces-endpoint
+        - {{ . | quote }}
+        {{- end }}
         {{- range $e.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -180,6 +184,14 @@ spec:
             secretKeyRef:
               name: {{ include "hpu-serve.apiKeySecret" $r }}
               key: {{ $v.apiKey.secretKey }}
+        {{- end }}
+        {{- if and $serves $v.tracing.otlpEndpoint }}
+        - name: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+          value: {{ $v.tracing.protocol | quote }}
+        - name: OTEL_EXPORTER_OTLP_TRACES_INSECURE
+          value: {{ $v.tracing.insecure | quote }}
+        - name: OTEL_SERVICE_NAME
+          value: {{ $v.tracing.serviceName | default (include "hpu-serve.fullname" $r) | quote }}
         {{- end }}
         {{- with $v.env }}
         {{- toYaml . | nindent 8 }}
