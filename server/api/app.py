@@ -45,6 +45,7 @@ from server.api.serving import (
 )
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
+from server.api.sleep_routes import add_sleep_routes
 from server.api.tools import template_messages
 from server.api.tracing import RequestTracer, trace_headers_of
 from server.api.workers import PreprocessPool
@@ -91,6 +92,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
     app.state.metrics = metrics
     install_error_handlers(app)
     _add_routes(app, ctx)
+    add_sleep_routes(app, engine)
     install_openapi(app)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(cfg.allowed_origins),

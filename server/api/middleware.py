@@ -33,7 +33,8 @@ async def _reply(send: Any, status: int, message: str, close: bool = False) -> N
 # Paths behind --api-key: the OpenAI API, the cache administration and the traffic shape
 # telemetry (it reveals prompt lengths and load).
 # /tokenize and /detokenize cost CPU in proportion to their input: behind the key as well.
-PROTECTED = ("/v1", "/reset_prefix_cache", "/buckets", "/tokenize", "/detokenize")
+PROTECTED = ("/v1", "/reset_prefix_cache", "/buckets", "/tokenize", "/detokenize",
+             "/sleep", "/wake_up", "/is_sleeping", "/reload_weights")
 
 
 def client_key(scope: Scope, headers: dict[str, str], fair_share: FairShare) -> str:

@@ -34,6 +34,10 @@ class DeviceConfig:
                                  "the fused kernels: faster than compiled)")
     hpu_lazy_mode: bool = knob(True, env="PT_HPU_LAZY_MODE",
                                help="Gaudi: lazy mode (HPU graphs); 0: torch.compile")
+    enable_sleep_mode: bool = flag(
+        False, help="serve the admin endpoints POST /sleep, /wake_up, /reload_weights and GET "
+                    "/is_sleeping (behind --api-key): free the weights and KV cache between "
+                    "jobs, swap in new weights without a restart (see the Sleep mode page)")
     cpu_kernels: bool = knob(True, env="HPU_SERVE_CPU_KERNELS",
                              help="eager CPU: fused C++ kernels for norms, RoPE + KV writes, "
                                   "SiLU and decode attention (0: plain PyTorch ops, e.g. "

@@ -17,12 +17,18 @@ from typing import Any, TypeVar, Union
 from prometheus_client import CollectorRegistry
 
 from server.config import EngineConfig
-from server.engine.errors import EngineDeadError, RequestError, RequestFailedError
+from server.engine.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    RequestError,
+    RequestFailedError,
+)
 from server.engine.inputs import Offload, PromptBuilder, PromptInput
 from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
+from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
 from server.engine.stats_log import StatsLog
 from server.engine.tokenizer import Tokenizer
 from server.log import current_request_id, request_context
@@ -128,6 +134,10 @@ class AsyncEngine:
         # When the engine thread last went round its loop (a step finished, or an idle wait
         # of at most 0.5 s ended): /health reads it to tell a stuck engine from a busy one.
         self._heartbeat = time.monotonic()
+        # /sleep refuses new requests from its first moment, before the engine thread gets
+        # to it; one sleep / wake / reload at a time (made on the loop in start())
+        self._sleeping = False
+        self._sleep_lock: asyncio.Lock | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         # the factory gets the engine's fault listener: a worker rank's death comes here
@@ -162,6 +172,51 @@ class AsyncEngine:
         self._commands.put(CallOnEngineThread(self.engine.reset_prefix_cache, (), future))
         return await asyncio.wrap_future(future)
 
+    async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs ``fn(*args)`` on the engine thread between steps, awaited without blocking."""
+        future: Future[T] = Future()
+        self._commands.put(CallOnEngineThread(fn, args, future))
+        return await asyncio.wrap_future(future)
+
+    @property
+    def sleep_mode_enabled(self) -> bool:
+        """``--enable-sleep-mode``: the admin endpoints exist."""
+        return self.engine.sleep_mode
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    async def sleep(self, level: SleepLevel) -> int:
+        """Refuses new requests at once (EngineSleepingError), aborts the running ones (each
+        stream gets its last output, finish_reason "abort"), then frees memory on the engine
+        thread. Returns how many requests were aborted."""
+        assert self._sleep_lock is not None, "start() first"
+        async with self._sleep_lock:
+            was_sleeping, self._sleeping = self._sleeping, True
+            try:
+                ended = await self._on_engine(self.engine.sleep, level)
+            except BaseException:
+                self._sleeping = was_sleeping
+                raise
+            self._push_outputs(ended)
+            return len(ended)
+
+    async def wake_up(self, tags: frozenset[WakeTag] = ALL_TAGS) -> bool:
+        """Restores what ``tags`` name; requests are served again once nothing is left
+        asleep. Returns whether the engine still sleeps."""
+        assert self._sleep_lock is not None, "start() first"
+        async with self._sleep_lock:
+            await self._on_engine(self.engine.wake_up, tags)
+            self._sleeping = self.engine.is_sleeping
+            return self._sleeping
+
+    async def reload_weights(self, path: str) -> None:
+        """Swaps in the weights at ``path`` between steps (RequestError if they differ)."""
+        assert self._sleep_lock is not None, "start() first"
+        async with self._sleep_lock:
+            await self._on_engine(self.engine.reload_weights, path)
+
     def observed_shapes(self) -> dict[str, Any]:
         """Step shapes seen and per-bucket warmup cost (a lock-guarded copy: no need to wait
         for the engine thread)."""
@@ -193,6 +248,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         if self._stats_log is not None:
             self._stats_task = self._loop.create_task(self._stats_log.run())
+        self._sleep_lock = asyncio.Lock()
 
     async def shutdown(self) -> None:
         if self._stats_task is not None:
@@ -231,6 +287,8 @@ class AsyncEngine:
             raise TypeError("a prompt builder brings its own params")
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self.dead_reason!r}")
+        if self._sleeping:
+            raise EngineSleepingError("the engine is sleeping (POST /wake_up to resume)")
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         # Claimed before the first await: a second submit with the same id is refused above
@@ -348,7 +406,7 @@ class AsyncEngine:
         request_id = state.request_id
         try:
             self.engine.enqueue(state)
-        except RequestError as exc:
+        except (RequestError, EngineSleepingError) as exc:  # asleep: queued while in transit
             self._call_loop(self._push_error, request_id, exc)
         except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the loop
             logger.exception("request %s could not be queued", request_id)

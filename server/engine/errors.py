@@ -30,3 +30,8 @@ class RequestFailedError(RuntimeError):
 class EngineFaultError(RuntimeError):
     """A fault that is not tied to one request (steps keep failing whatever they run): the
     engine stops, and the server exits non-zero so that its orchestrator restarts it."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (``POST /sleep``): no request is served until ``/wake_up``
+    (HTTP 503 with ``Retry-After``)."""

@@ -13,19 +13,21 @@ from server.config import EngineConfig
 from server.engine.core.block_manager import BlockManager
 from server.engine.core.scheduler import Scheduler
 from server.engine.core.sequence import ScheduledBatch, Sequence
-from server.engine.errors import EngineFaultError, RequestError
+from server.engine.errors import EngineFaultError, EngineSleepingError, RequestError
 from server.engine.executor import FaultListener, RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
 from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
 from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
+from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
 from server.engine.structured_outputs.backend import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
 from server.engine.worker.builder import build_model_runner
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE
 from server.hpu.platform import Platform, detect_platform
+from server.models.errors import ModelFileError
 from server.models.loader import load_model, load_model_config, resolve_model_source
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.limits.max_model_len)
         self._failed_steps = 0
+        self.sleep_mode = config.device.enable_sleep_mode
+        # what /sleep freed and no /wake_up has restored yet (empty: awake)
+        self._asleep: set[WakeTag] = set()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB, max_model_len %d, "
             "max_num_seqs %d", self.runner.num_blocks, block_size,
@@ -158,6 +163,8 @@ class LLMEngine:
 
     def enqueue(self, state: RequestState) -> None:
         """Queues a prepared request (engine thread only)."""
+        if self._asleep:
+            raise EngineSleepingError("the engine is sleeping (POST /wake_up to resume)")
         if state.request_id in self.output_processor.requests:
             raise RequestError(f"request id {state.request_id!r} is already in use", "request_id")
         self.output_processor.add(state)
@@ -281,3 +288,67 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix; the number of blocks that were named."""
         return self.block_manager.reset_prefix_cache()
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Asleep from ``sleep`` until a wake has restored everything it freed."""
+        return bool(self._asleep)
+
+    def sleep(self, level: SleepLevel) -> list[RequestOutput]:
+        """Aborts every request (their last outputs are returned, finish_reason "abort"),
+        forgets every cached prefix, then frees the KV cache and the weights as ``level``
+        says. Engine thread only, between steps. Asleep already: frees more (level 2 after
+        level 1), never less."""
+        self._check_sleep_mode()
+        ended = [out for out in map(self.abort_request, self.request_ids()) if out is not None]
+        self.block_manager.reset_prefix_cache()
+        bm = self.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, "a KV block outlived its request"
+        self.runner.sleep(level)
+        self._asleep = set(ALL_TAGS)
+        logger.info("Asleep (level %d): %d request(s) aborted, %.1f MiB of KV cache and "
+                    "%.1f MiB of weights %s", level, len(ended),
+                    self.runner.kv_cache_bytes / 2**20, self._memory_bytes() / 2**20,
+                    "dropped" if level is SleepLevel.DISCARD else "offloaded to host memory"
+                    if self.runner.platform.device.type != "cpu" else "kept (host memory)")
+        return ended
+
+    def wake_up(self, tags: frozenset[WakeTag] = ALL_TAGS) -> None:
+        """Restores what ``tags`` name (everything by default); the KV cache comes back
+        empty, with no cached prefix."""
+        self._check_sleep_mode()
+        start = time.monotonic()
+        self.runner.wake_up(tags)
+        self._asleep -= tags
+        if WakeTag.KV_CACHE in tags:
+            self.block_manager.reset_prefix_cache()
+        logger.info("Woke %s in %.2f s%s", "/".join(sorted(t.value for t in tags)),
+                    time.monotonic() - start,
+                    "" if not self._asleep else " (still asleep: "
+                    + "/".join(sorted(t.value for t in self._asleep)) + " not restored)")
+
+    def reload_weights(self, path: str) -> None:
+        """Swaps in the weights at ``path`` (same architecture and shapes, else a
+        RequestError naming what differs), in place, between steps. Cached prefixes are
+        forgotten (their K/V came from the old weights); running requests go on with the
+        new weights."""
+        self._check_sleep_mode()
+        start = time.monotonic()
+        try:
+            self.runner.reload_weights(path)
+        except (ModelFileError, ValueError, OSError) as exc:  # a mismatch is a ValueError
+            raise RequestError(str(exc), "path") from None
+        self.block_manager.reset_prefix_cache()
+        self._asleep.discard(WakeTag.WEIGHTS)
+        logger.info("Reloaded the weights from %s in %.2f s", path, time.monotonic() - start)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.sleep_mode:
+            raise RequestError("sleep mode is off: start with --enable-sleep-mode")
+        if self.executor is not None:
+            raise RequestError("sleep mode and weight reload do not support tensor "
+                               "parallelism yet (--tensor-parallel-size > 1): the other "
+                               "ranks' memory would stay in use")
+
+    def _memory_bytes(self) -> int:
+        return self.runner.memory.weights_bytes if self.runner.memory is not None else 0

@@ -22,8 +22,10 @@ from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.outputs import ModelRunnerOutput
 from server.engine.sampling_params import SamplingParams
+from server.engine.sleep import SleepLevel, WakeTag
 from server.engine.worker.input_builder import InputBuilder, dummy_seq
 from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logprobs
+from server.engine.worker.sleep import DeviceMemory, WeightLoader
 from server.hpu.buckets.adaptive import AdaptiveBuckets
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
 from server.hpu.buckets.plan import decode_buckets, format_plan, prefill_buckets, resolve_ranges
@@ -137,6 +139,16 @@ class ModelRunner:
                 interval=b.adaptive_interval, min_saving=b.adaptive_min_saving,
                 max_added=b.adaptive_max_added)
         self._free_after_warmup = 0
+        # --enable-sleep-mode: what sleep frees and wake restores, and where weights come from
+        self.memory: DeviceMemory | None = None
+        self.weight_loader: WeightLoader | None = None
+        if config.device.enable_sleep_mode:
+            self.memory = DeviceMemory(loaded.model, self.kv_caches,
+                                       platform.device.type != "cpu", platform.device)
+            self.weight_loader = WeightLoader(config, platform, mode, cfg, loaded.dtype,
+                                              limits.max_model_len, cache_dir)
+        # captured graphs hold addresses that a storage resized to 0 and back changes
+        self._graphs_stale = False
         self.counters.observed.describe(
             block_size=self.block_size, limits=bucket_limits,
             plan=self.shapes.buckets if self.shapes is not None else None,
@@ -234,6 +246,65 @@ class ModelRunner:
                 self.graphs.capture(phase, bucket, self.inputs.dummy(phase, bucket))
         self.counters.observed.warmed(phase, bucket, time.monotonic() - began)
         self.adaptive.added(phase, bucket)
+
+    def sleep(self, level: SleepLevel) -> None:
+        """Frees the KV cache, and the weights (level 1: kept in host memory; level 2:
+        dropped). Call between steps, with no sequence holding KV blocks."""
+        memory = self._sleep_memory()
+        memory.release_kv()
+        if level is SleepLevel.DISCARD:
+            memory.discard_weights()
+        else:
+            memory.offload_weights()
+        self._graphs_stale = self.graphs.captures_graphs
+        memory.release_to_system()
+
+    def wake_up(self, tags: frozenset[WakeTag]) -> None:
+        """Restores what ``tags`` name: the weights (from host memory, or from the files
+        after level 2), the KV cache (empty, zero-filled). Graphs are re-captured once both
+        are back, where they were captured."""
+        memory = self._sleep_memory()
+        if WakeTag.WEIGHTS in tags:
+            if memory.needs_files:
+                assert self.weight_loader is not None
+                memory.load_weights(self.weight_loader.load(self.weight_loader.path).model)
+                memory.release_to_system()  # the fresh model's copy
+            else:
+                memory.restore_weights()
+        if WakeTag.KV_CACHE in tags:
+            memory.restore_kv()
+        self._recapture_if_stale()
+
+    def reload_weights(self, path: str) -> None:
+        """The weights at ``path`` (the same architecture and shapes) copied into the served
+        tensors in place; a WeightMismatchError naming what differs leaves them unchanged.
+        Asleep, the weights become resident (the KV cache stays as it is)."""
+        memory = self._sleep_memory()
+        assert self.weight_loader is not None
+        fresh = self.weight_loader.load(path)
+        memory.load_weights(fresh.model)
+        self.weight_loader.path = path
+        del fresh
+        memory.release_to_system()
+        self._recapture_if_stale()
+
+    def _sleep_memory(self) -> DeviceMemory:
+        if self.memory is None:
+            raise RuntimeError("sleep mode is off (--enable-sleep-mode)")
+        return self.memory
+
+    def _recapture_if_stale(self) -> None:
+        """Re-records every captured graph once weights and KV cache are back (counted as
+        warmup): their storages came back at other addresses."""
+        if not self._graphs_stale or self.memory is None or not self.memory.resident:
+            return
+        with self.counters.warming(), torch.inference_mode():
+            for phase, buckets in self.graphs.warmed.items():
+                for bucket in sorted(buckets):
+                    if self.graphs.can_replay(phase, bucket):
+                        self.graphs.capture(phase, bucket, self.inputs.dummy(phase, bucket))
+        self._graphs_stale = False
+        logger.info("Re-captured the device graphs after a wake")
 
     def _graph_memory_to_spare(self) -> bool:
         """Graphs added while serving may use another VLLM_GRAPH_RESERVED_MEM share of the

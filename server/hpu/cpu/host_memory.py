@@ -49,3 +49,18 @@ def tune_host_allocator() -> bool:
         logger.info("Host allocator: mmap threshold %d MiB, trim threshold %d MiB",
                     MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return ok
+
+
+def release_free_host_memory() -> bool:
+    """Hands the heap's free pages back to the system (glibc ``malloc_trim``): with the
+    trim threshold raised above, freed tensors stay mapped otherwise. False where libc has
+    no ``malloc_trim``."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
