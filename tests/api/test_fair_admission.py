@@ -290,8 +290,8 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-FLOOD_STREAMS = 64  # x A_TOKENS / 4 slots: some 500 steps of work queued ahead of B
-A_TOKENS = 32
+FLOOD_STREAMS = 64  # x A_TOKENS / 4 slots: some 1,000 steps of work queued ahead of B
+A_TOKENS = 64  # long enough that a FCFS queue of them dwarfs one stream's length
 B_SAMPLES = 10
 
 
