@@ -39,7 +39,8 @@ class CharTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
+                            template_kwargs: dict[str, Any] | None = None,
+                            continue_final_message: bool = False) -> str:
         self.template_calls.append(dict(messages=messages, tools=tools,
                                         template_kwargs=template_kwargs))
         return "|".join(str(m.get("content") or "") for m in messages)

@@ -125,7 +125,7 @@ def test_bad_prompts_rejected_and_engine_keeps_serving(llm: LLM) -> None:
         llm.generate([[5] * (max_len + 1)], SamplingParams())
     with pytest.raises(RequestError, match=r"\d+ in the prompt"):
         llm.generate([[5] * 10], SamplingParams(max_tokens=max_len))
-    with pytest.raises(RequestError, match="token ids"):
+    with pytest.raises(RequestError, match="out of vocabulary"):
         llm.generate([[10**9]], SamplingParams())
     with pytest.raises(RequestError, match="logit_bias"):
         llm.generate("x", SamplingParams(logit_bias={10**9: 1.0}))

@@ -251,13 +251,13 @@ class ModelRunner:
         """Frees the KV cache, and the weights (level 1: kept in host memory; level 2:
         dropped). Call between steps, with no sequence holding KV blocks."""
         memory = self._sleep_memory()
-        memory.release_kv()
-        if level is SleepLevel.DISCARD:
-            memory.discard_weights()
-        else:
-            memory.offload_weights()
+        with memory.freeing():
+            memory.release_kv()
+            if level is SleepLevel.DISCARD:
+                memory.discard_weights()
+            else:
+                memory.offload_weights()
         self._graphs_stale = self.graphs.captures_graphs
-        memory.release_to_system()
 
     def wake_up(self, tags: frozenset[WakeTag]) -> None:
         """Restores what ``tags`` name: the weights (from host memory, or from the files

@@ -14,11 +14,12 @@ tensor at wake. Eager mode has no graph that could hold the old one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,6 +219,19 @@ class DeviceMemory:
             raise WeightMismatchError("the new weights do not fit the served model: "
                                       + "; ".join(problems[:5]) + more)
         return [(slot, new[slot.name].tensor) for slot in self._slots]
+
+    @contextlib.contextmanager
+    def freeing(self) -> Iterator[None]:
+        """Whatever is freed inside goes back to the system as it is freed (host memory:
+        the heap tops glibc would keep too, see host_memory.py), the rest after."""
+        if self.device.type == "cpu":
+            from server.hpu.cpu.host_memory import returning_freed_memory
+
+            with returning_freed_memory():
+                yield
+            return
+        yield
+        self.release_to_system()
 
     def release_to_system(self) -> None:
         """Freed memory back to the system: the host heap's free pages (glibc keeps them

@@ -10,9 +10,11 @@ trim thresholds keeps freed memory in the heap for the next step to reuse.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,35 @@ def tune_host_allocator() -> bool:
         logger.info("Host allocator: mmap threshold %d MiB, trim threshold %d MiB",
                     MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return ok
+
+
+@contextlib.contextmanager
+def returning_freed_memory() -> Iterator[None]:
+    """Memory freed inside goes back to the system (sleep mode frees whole KV caches and
+    weights). ``malloc_trim`` alone leaves the free top of a thread's heap mapped (only the
+    main heap's top is trimmed), and the raised trim threshold and top pad keep it there;
+    lowered while the tensors are freed, glibc unmaps those tops as it frees."""
+    libc = _libc()
+    lowered = _tuned and libc is not None
+    if lowered:
+        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+        libc.mallopt(_M_TOP_PAD, 0)
+    try:
+        yield
+    finally:
+        if lowered:
+            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            libc.mallopt(_M_TOP_PAD, TOP_PAD)
+        release_free_host_memory()
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt  # noqa: B018 - glibc only (musl, macOS: none)
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def release_free_host_memory() -> bool:
