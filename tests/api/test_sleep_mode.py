@@ -150,8 +150,9 @@ def test_rss_drops_by_the_kv_cache_then_the_weights_too(tiny_model, tmp_path) ->
             assert complete(base).json()["choices"][0]["text"] == before
         print(f"KV cache {kv / 2**20:.1f} MiB, weights {weights / 2**20:.1f} MiB; RSS drop "
               f"level 1 {drops[1] / 2**20:.1f} MiB, level 2 {drops[2] / 2**20:.1f} MiB")
-        # generous (the heap's own bookkeeping, other garbage), but not if nothing is freed
-        assert drops[1] >= 0.6 * kv
-        assert drops[2] >= 0.6 * kv and drops[2] - drops[1] >= 0.5 * weights
+        # the bar: level 1 frees the KV cache, level 2 the weights too (5-10% slack
+        # for the heap's bookkeeping; a heap top left mapped cost 30 MiB of the KV cache)
+        assert drops[1] >= 0.95 * kv
+        assert drops[2] - drops[1] >= 0.9 * weights
     finally:
         srv.stop()
