@@ -9,14 +9,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
 from server.config import EngineConfig
+from server.engine.engine_commands import (
+    AbortAll,
+    AbortRequest,
+    AddRequest,
+    CallOnEngineThread,
+    Command,
+    RequestStream,
+    Stop,
+)
 from server.engine.errors import (
     EngineDeadError,
     EngineSleepingError,
@@ -35,70 +43,6 @@ from server.log import current_request_id, request_context
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-# Commands that cross into the engine thread.
-@dataclass(frozen=True, slots=True)
-class AddRequest:
-    state: RequestState
-    log_id: str | None = None  # the HTTP request's id, for lines logged while queueing it
-
-
-@dataclass(frozen=True, slots=True)
-class AbortRequest:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class AbortAll:
-    """Ends every request now, each with a last output (finish_reason "abort")."""
-
-
-@dataclass(frozen=True, slots=True)
-class CallOnEngineThread:
-    """Start-up work (load, warmup) that must run on the thread that will step."""
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    future: Future[Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    pass
-
-
-Command = Union[AddRequest, AbortRequest, AbortAll, CallOnEngineThread, Stop]
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """Async iterator over one request's outputs; leaving it early aborts the request."""
-
-    request_id: str
-    _engine: AsyncEngine
-    _queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    finished: bool = False
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Called on the event loop's thread by the engine's deliveries."""
-        self._queue.put_nowait(item)
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            if not self.finished:  # the consumer went away (client disconnect, cancel)
-                self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -293,7 +237,7 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         # Claimed before the first await: a second submit with the same id is refused above
         # instead of replacing this stream while this one is still being built.
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self.abort)
         self._streams[request_id] = stream
         arrival = time.monotonic()  # before building: requests are built concurrently
         build = prompt if callable(prompt) else _given(prompt, params)
