@@ -19,6 +19,7 @@ from server.config import (
     engine_config_from_args,
     server_config_from_args,
 )
+from server.config.compat import ignored_flags
 from server.config.fields import add_flags, env_help
 from server.log import init_logging
 
@@ -128,6 +129,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {exc}") from None
     # before anything loads: every line of the run in --log-format, workers' included
     init_logging(server_cfg.logging.log_format)
+    for line in ignored_flags(engine_cfg.vllm_no_op):
+        logger.warning("%s", line)
     engine_dead = threading.Event()
 
     def engine_died(exc: BaseException) -> None:  # on the engine's thread

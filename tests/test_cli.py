@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import io
 
+import httpx
 import pytest
 
 from server.cli import build_parser, main
@@ -214,3 +215,42 @@ def test_an_unknown_grammar_backend_is_refused(capsys) -> None:
         main(["serve", "--structured-outputs-backend", "outlines"])
     assert exc.value.code == 2
     assert "invalid choice: 'outlines'" in capsys.readouterr().err
+
+
+VLLM_COMMAND_LINE = ["--trust-remote-code", "--swap-space", "16", "--load-format", "auto",
+                     "--disable-log-requests", "--disable-log-stats",
+                     "--disable-frontend-multiprocessing", "--disable-custom-all-reduce"]
+
+
+@pytest.mark.slow
+def test_a_vllm_command_line_starts_and_says_what_is_ignored(tiny_model) -> None:
+    """vLLM flags with no effect here are accepted, each set one logged once with why."""
+    from server_process import TINY_FLAGS, start_server
+
+    srv = start_server(tiny_model[0], *TINY_FLAGS, *VLLM_COMMAND_LINE)
+    try:
+        assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 200
+    finally:
+        srv.stop()
+    log = srv.log()
+    for flag in ("--trust-remote-code True", "--swap-space 16.0",
+                 "--disable-frontend-multiprocessing True", "--disable-custom-all-reduce True"):
+        assert log.count(f"{flag} has no effect here") == 1, log[-3000:]
+    assert "--load-format auto has no effect" not in log  # the default says nothing
+
+
+def test_a_vllm_flag_that_would_change_answers_is_refused(capsys) -> None:
+    """Not implemented and not harmless: start-up stops naming it."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--enable-lora"])
+    assert exc.value.code == 2
+    assert "--enable-lora" in capsys.readouterr().err
+
+
+def test_the_offline_llm_takes_vllm_keywords_and_warns(tiny_model, capfd) -> None:
+    from server import LLM, SamplingParams
+
+    llm = LLM(tiny_model[0], trust_remote_code=True, dtype="float32", block_size=16,
+              max_model_len=64, max_num_seqs=2)
+    assert "--trust-remote-code True has no effect here" in capfd.readouterr().err
+    assert llm.generate(["the"], SamplingParams(max_tokens=1))

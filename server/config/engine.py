@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from server.config.buckets import BucketingConfig, WarmupConfig
+from server.config.compat import GROUP as NO_OP_GROUP
+from server.config.compat import VllmNoOpFlags
 from server.config.device import DeviceConfig, ParallelConfig
 from server.config.fields import add_flags, build, knob, section
 from server.config.model import CacheConfig, ModelOptions
@@ -27,6 +29,7 @@ class EngineConfig:
     bucketing: BucketingConfig = section(BucketingConfig)
     parallel: ParallelConfig = section(ParallelConfig)
     structured_outputs: StructuredOutputsConfig = section(StructuredOutputsConfig)
+    vllm_no_op: VllmNoOpFlags = section(VllmNoOpFlags, group=NO_OP_GROUP)
     cache_dir: str | None = knob(
         None, env="HPU_SERVE_CACHE_DIR",
         help="what start-up builds once and reuses on restarts: the fused CPU kernels and GGUF "

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence as Seq
 from typing import Any, Union
 
 from server.config import make_engine_config
+from server.config.compat import ignored_flags
 from server.engine.executor.mp import refuse_engine_in_worker
 from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.log import init_logging
+
+logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, Any]]
@@ -27,7 +31,10 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         refuse_engine_in_worker()  # before any loading: the worker is only importing a script
         init_logging()
-        self.engine = LLMEngine(make_engine_config(model=model, **options))
+        config = make_engine_config(model=model, **options)
+        for line in ignored_flags(config.vllm_no_op):  # LLM(trust_remote_code=True)...
+            logger.warning("%s", line)
+        self.engine = LLMEngine(config)
         self.engine.warmup()
         self._ids = itertools.count()
 
