@@ -87,7 +87,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
             await engine.shutdown()
             ctx.workers.shutdown()
 
-    app = FastAPI(title="hpu-serve", version=server.__version__, lifespan=lifespan)
+    app = FastAPI(title="hpu-serve", version=server.__version__, lifespan=lifespan,
+                  root_path=cfg.root_path)
     app.state.ctx = ctx
     app.state.metrics = metrics
     install_error_handlers(app)

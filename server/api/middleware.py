@@ -48,6 +48,13 @@ def client_key(scope: Scope, headers: dict[str, str], fair_share: FairShare) -> 
     return f"addr:{client[0]}" if client else "addr:unknown"
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without ``--root-path`` when the request came with it (a
+    proxy that does not strip its prefix), so that /llm/v1/... is guarded as /v1/... is."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 class GuardMiddleware:
     """Checks the bearer key on /v1/*, caps body size, tags responses and logs with
     X-Request-Id, names the client (``scope["state"]["client"]``) for fair admission and,
@@ -83,7 +90,8 @@ class GuardMiddleware:
             if self.request_log is None:
                 await self._guarded(scope, receive, send, headers, request_id, too_long, None)
                 return
-            with self.request_log.logged(request_id, scope["method"], scope["path"]) as record:
+            with self.request_log.logged(request_id, scope["method"], route_path(scope)) \
+                    as record:
                 await self._guarded(scope, receive, send, headers, request_id, too_long,
                                     record)
 
@@ -104,7 +112,7 @@ class GuardMiddleware:
             await _reply(send_with_id, 400, "X-Request-Id is longer than "
                          f"{self.max_request_id_length} characters")
             return
-        if self.api_key and scope["path"].startswith(PROTECTED) and \
+        if self.api_key and route_path(scope).startswith(PROTECTED) and \
                 scope["method"] != "OPTIONS":
             given = headers.get("authorization", "")
             expected = f"Bearer {self.api_key}"

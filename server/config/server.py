@@ -82,6 +82,9 @@ class ServerConfig:
 
     host: str = flag("0.0.0.0", help="address to listen on")
     port: int = flag(8000, help="port to listen on")
+    root_path: str = flag(
+        "", help="the path prefix a proxy serves this server under (/llm): routes answer with "
+                 "and without it, and the API key guards both")
     api_key: str | None = flag(None, env=API_KEY_ENV,
                                help="protects /v1/*, /reset_prefix_cache and /buckets/observed")
     max_waiting_requests: int = flag(
