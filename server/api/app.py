@@ -25,6 +25,7 @@ from server.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    InvocationRequest,
     ModelCard,
     ModelList,
     ResetPrefixCacheResponse,
@@ -182,6 +183,17 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         work = create_completion(ctx, body, tag)
         return _respond(await _until_disconnect(request, work))
 
+    @app.post("/invocations", openapi_extra=body_schema(InvocationRequest))
+    async def invocations(request: Request) -> Response:
+        """SageMaker's entry point, as vLLM serves it: chat when the body has messages,
+        else a completion."""
+        tag = _tag(request)
+        body = (await parse_body(request, InvocationRequest, ctx.workers, tag.client,
+                                 few_messages)).root
+        work = (create_chat_completion(ctx, body, tag)
+                if isinstance(body, ChatCompletionRequest) else create_completion(ctx, body, tag))
+        return _respond(await _until_disconnect(request, work))
+
     def card() -> ModelCard:
         return ModelCard(id=ctx.model_name, root=ctx.model_name,
                          max_model_len=ctx.max_model_len)
@@ -210,6 +222,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(ctx.engine.observed_shapes())
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check (vLLM's)
     async def health() -> Response:
         if not ctx.engine.is_alive:
             raise APIError(503, "the engine loop is not running")

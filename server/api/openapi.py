@@ -26,6 +26,7 @@ from server.api.protocol import (
     DetokenizeRequest,
     ErrorResponse,
     HealthResponse,
+    InvocationRequest,
     TokenizeRequest,
 )
 
@@ -51,6 +52,8 @@ _SUCCESS: Mapping[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]
     ("post", "/v1/chat/completions"): (ChatCompletionResponse, _sse(ChatCompletionChunk)),
     ("post", "/v1/completions"): (CompletionResponse, _sse(CompletionResponse)),
     ("get", "/health"): (HealthResponse, {}),
+    ("get", "/ping"): (HealthResponse, {}),
+    ("post", "/ping"): (HealthResponse, {}),
     ("get", "/metrics"): (None, {"text/plain": {"schema": {"type": "string"}}}),
 }
 _WHY = {
@@ -72,7 +75,8 @@ def _errors(method: str, path: str, has_body: bool) -> list[int]:
         statuses.append(401)
     if has_body or "{model_id}" in path:
         statuses.append(404)  # every body names a model, and so does this path
-    if (method, path) in (("post", "/v1/chat/completions"), ("post", "/v1/completions")):
+    if (method, path) in (("post", "/v1/chat/completions"), ("post", "/v1/completions"),
+                          ("post", "/invocations")):
         statuses.append(500)
     return sorted(statuses)
 
@@ -84,7 +88,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                                      CompletionResponse, HealthResponse]
     # bodies the routes parse on a worker (server/api/request_body.py), not through FastAPI
     bodies: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                                     DetokenizeRequest]
+                                     DetokenizeRequest, InvocationRequest]
     _, defs = models_json_schema([(m, "validation") for m in bodies]
                                  + [(m, "serialization") for m in models], ref_template=_REF)
     components.update(defs.get("$defs", {}))

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    RootModel,
+    StrictInt,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 
 from server.api.text_fields import Text, no_bool_token_ids, text_only_parts
 
@@ -202,6 +212,19 @@ class CompletionRequest(SamplingFields):
     suffix: Text | None = None
 
     _token_ids = field_validator("prompt", mode="before")(no_bool_token_ids)
+
+
+def _invocation_kind(body: Any) -> str:
+    return "chat" if isinstance(body, dict) and "messages" in body else "completion"
+
+
+class InvocationRequest(RootModel[Union[ChatCompletionRequest, CompletionRequest]]):
+    """SageMaker's ``POST /invocations`` (vLLM serves it): a body with ``messages`` is a chat
+    request, any other a completion request."""
+
+    root: Annotated[Union[Annotated[ChatCompletionRequest, Tag("chat")],
+                          Annotated[CompletionRequest, Tag("completion")]],
+                    Discriminator(_invocation_kind)]
 
 
 class UsageInfo(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 
 from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 
@@ -60,8 +60,11 @@ def _decode(raw: bytes, model: type[M], precheck: Callable[[Any], None] | None) 
     try:
         return model.model_validate(data)
     except ValidationError as exc:
+        # a root model's errors start with the union member's tag (InvocationRequest: "chat"
+        # or "completion"): the client's field comes after it
+        skip = 1 if issubclass(model, RootModel) else 0
         raise RequestValidationError(
-            [dict(e, loc=("body", *e["loc"])) for e in exc.errors()]) from None
+            [dict(e, loc=("body", *e["loc"][skip:])) for e in exc.errors()]) from None
 
 
 async def parse_body(request: Request, model: type[M], pool: PreprocessPool, client: str,
