@@ -73,7 +73,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
                          reasoning_parser, PreprocessPool(cfg.preprocess_workers),
                          ClientSeqs(cfg.max_client_seqs, cfg.fair_share is not FairShare.OFF,
                                     metrics.registry),
-                         tracer or RequestTracer.from_config(cfg.tracing, engine.model_name))
+                         tracer or RequestTracer.from_config(cfg.tracing, engine.model_name),
+                         cfg.enable_prompt_tokens_details)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

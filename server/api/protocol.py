@@ -178,6 +178,8 @@ class SamplingFields(RequestModel):
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
     # vLLM's: the prompt's and each choice's token ids beside the text
     return_token_ids: bool = False
+    # vLLM's: requests share cached KV blocks only with requests of the same salt
+    cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
 
     @field_validator("stream_options")
     @classmethod
@@ -227,10 +229,16 @@ class InvocationRequest(RootModel[Union[ChatCompletionRequest, CompletionRequest
                     Discriminator(_invocation_kind)]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # with --enable-prompt-tokens-details (vLLM's), else left out
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

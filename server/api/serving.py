@@ -20,7 +20,7 @@ import server
 from server.api.admission import AdmittedStream, ClientSeqs
 from server.api.answer_json import LOGPROB_FLOOR, LogprobFormatter, json_logprob
 from server.api.errors import APIError, error_body, stream_error
-from server.api.protocol import ChatMessage, SamplingFields, UsageInfo
+from server.api.protocol import ChatMessage, PromptTokensDetails, SamplingFields, UsageInfo
 from server.api.reasoning_parsers import ReasoningParser
 from server.api.structured import structured_outputs_of
 from server.api.tool_parsers import ToolParser
@@ -99,6 +99,8 @@ class ServingContext:
     clients: ClientSeqs = field(default_factory=ClientSeqs)
     # --otlp-traces-endpoint: a span per request (None: tracing off)
     tracer: RequestTracer | None = None
+    # --enable-prompt-tokens-details: usage reports the prompt tokens the cache served
+    prompt_tokens_details: bool = False
     # the engine's tokenizer's logprob texts, cached per token id
     logprobs: LogprobFormatter = field(init=False)
 
@@ -196,6 +198,7 @@ def build_sampling_params(
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, priority=req.priority,
+        cache_salt=req.cache_salt,
     )
     optional = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                     min_p=req.min_p, repetition_penalty=req.repetition_penalty,
@@ -342,9 +345,22 @@ async def json_answer(ctx: ServingContext, tag: RequestTag, build: Callable[[], 
     return Response(body, media_type="application/json")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> UsageInfo:
+    """``cached_tokens``: with --enable-prompt-tokens-details, the prompt tokens the prefix
+    cache served (None: the details are left out)."""
+    details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=details)
+
+
+def cached_tokens(ctx: ServingContext, *outputs: RequestOutput) -> int | None:
+    """The prompt tokens of ``outputs`` served from the prefix cache, when the usage reports
+    them (--enable-prompt-tokens-details)."""
+    if not ctx.prompt_tokens_details:
+        return None
+    return sum(o.metrics.num_cached_tokens for o in outputs if o.metrics is not None)
 
 
 def sse(payload: str) -> str:

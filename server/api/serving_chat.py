@@ -30,6 +30,7 @@ from server.api.serving import (
     ServingContext,
     accumulate,
     build_sampling_params,
+    cached_tokens,
     check_model,
     content_bytes,
     created_now,
@@ -121,7 +122,8 @@ async def create_chat_completion(
             ))
         skeleton = ChatCompletionResponse(
             id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
-            usage=usage(len(final.prompt_token_ids), final.num_generated_tokens),
+            usage=usage(len(final.prompt_token_ids), final.num_generated_tokens,
+                        cached_tokens(ctx, final)),
             system_fingerprint=system_fingerprint(ctx.model_name),
             prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
         )
@@ -245,7 +247,8 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
         for choice, choice_logprobs in zip(choices, logprobs):
             yield chunk([choice], [choice_logprobs], **usage_so_far(out))
     if include_usage and final is not None:
-        yield chunk([], usage=usage(len(final.prompt_token_ids), final.num_generated_tokens))
+        yield chunk([], usage=usage(len(final.prompt_token_ids), final.num_generated_tokens,
+                                    cached_tokens(ctx, final)))
     yield sse("[DONE]")
 
 

@@ -20,6 +20,7 @@ from server.api.serving import (
     RequestTag,
     ServingContext,
     build_sampling_params,
+    cached_tokens,
     check_model,
     created_now,
     json_answer,
@@ -126,7 +127,7 @@ async def create_completion(
         generated = sum(o.num_generated_tokens for o in finals.values())
         skeleton = CompletionResponse(
             id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
-            usage=usage(prompt_tokens, generated),
+            usage=usage(prompt_tokens, generated, cached_tokens(ctx, *finals.values())),
             system_fingerprint=system_fingerprint(ctx.model_name))
         return answer_bytes(skeleton, logprobs)
 
@@ -146,6 +147,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
     ended: set[int] = set()
     prompt_tokens: dict[int, int] = {}
     generated: dict[int, int] = {}
+    lasts: dict[int, RequestOutput] = {}  # each prompt's latest output (its metrics)
 
     def chunk(choices: list[CompletionChoice],
               logprobs: list[dict[str, Any] | None] | None = None, **extra: object) -> str:
@@ -158,6 +160,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
     async for i, out in merge(streams):
         prompt_tokens[i] = len(out.prompt_token_ids)
         generated[i] = out.num_generated_tokens
+        lasts[i] = out
         choices = []
         logprobs: list[dict[str, Any] | None] = []
         for c in out.outputs:
@@ -192,7 +195,8 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
                 if continuous else {}
             yield chunk([choice], [choice_logprobs], **extra)
     if include_usage:
-        yield chunk([], usage=usage(sum(prompt_tokens.values()), sum(generated.values())))
+        yield chunk([], usage=usage(sum(prompt_tokens.values()), sum(generated.values()),
+                                    cached_tokens(ctx, *lasts.values())))
     yield sse("[DONE]")
 
 

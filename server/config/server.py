@@ -82,6 +82,9 @@ class ServerConfig:
 
     host: str = flag("0.0.0.0", help="address to listen on")
     port: int = flag(8000, help="port to listen on")
+    enable_prompt_tokens_details: bool = flag(
+        False, help="usage reports prompt_tokens_details.cached_tokens: the prompt tokens "
+                    "served from the prefix cache")
     root_path: str = flag(
         "", help="the path prefix a proxy serves this server under (/llm): routes answer with "
                  "and without it, and the API key guards both")

@@ -195,6 +195,7 @@ class LLMEngine:
             metrics = self.output_processor.requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.monotonic()
+                metrics.num_cached_tokens = seq.num_cached_tokens
         try:
             sampled, result = self._execute(batch)
         except Exception as exc:

@@ -66,6 +66,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # prompt tokens found in the prefix cache when it was first scheduled (usage's
+    # prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int = 0
     # the distinct buckets its steps ran in ("phase:batch,query,blocks"), first seen first;
     # a tuple: outputs share it with the engine thread, which replaces rather than mutates
     buckets: tuple[str, ...] = ()

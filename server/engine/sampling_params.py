@@ -62,6 +62,9 @@ class SamplingParams(BaseModel):
     # Scheduling, not sampling, but it travels with the request's settings through every
     # entry point (HTTP, offline LLM): with --scheduling-policy priority, lower runs first.
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    # Not sampling either: vLLM's cache_salt. It enters the hash of the request's first KV
+    # block, so prompts with different salts never share cached blocks (tenant isolation).
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     max_tokens: int | None = Field(16, ge=1, description="None: up to the context length")
     # int32 bounds (here and on top_k): beyond them a value is a typo, and a top_k of 2**63
     # would overflow the sampler's int64 tensor

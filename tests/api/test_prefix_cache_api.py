@@ -71,3 +71,45 @@ def test_suggest_reads_a_live_server_with_its_key(keyed_server, tmp_path, capsys
     assert main(["buckets", "--suggest", "--from", keyed_server.base_url, "--api-key", "k3y",
                  "--max-buckets", "40", "-o", str(out)]) == 0
     assert "suggested" in capsys.readouterr().out and parse_bucket_file(str(out))
+
+
+@pytest.fixture(scope="module")
+def detailed_server(tiny_model):
+    srv = start_server(tiny_model[0], *TINY_FLAGS, "--enable-prefix-caching",
+                       "--enable-prompt-tokens-details")
+    yield srv
+    srv.stop()
+
+
+def cached(base_url: str, prompt: list[int], **fields: object) -> int:
+    resp = httpx.post(base_url + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, **fields})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_cached_tokens_and_cache_salt(detailed_server) -> None:
+    """usage.prompt_tokens_details.cached_tokens counts the prompt tokens the cache served;
+    cache_salt keeps tenants apart: a prompt cached under one salt is a miss under another
+    (and without one), and a hit under the same salt (vLLM's semantics)."""
+    url = detailed_server.base_url
+    prompt = list(range(100, 150))  # 3 full blocks of 16, then 2 tokens
+    assert cached(url, prompt) == 0
+    assert cached(url, prompt) == 48
+    assert cached(url, prompt, cache_salt="tenant-a") == 0  # the unsalted blocks: not a's
+    assert cached(url, prompt, cache_salt="tenant-b") == 0
+    assert cached(url, prompt, cache_salt="tenant-a") == 48  # a's own blocks
+    assert cached(url, prompt) == 48  # and the unsalted ones are still there
+    chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hello " * 40}],
+        "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    last = [line for line in chat.text.splitlines() if line.startswith("data: {")][-1]
+    assert '"prompt_tokens_details": {"cached_tokens": 0}' in last
+
+
+def test_usage_has_no_details_without_the_flag(keyed_server) -> None:
+    resp = httpx.post(keyed_server.base_url + "/v1/completions", timeout=60,
+                      headers={"Authorization": "Bearer k3y"},
+                      json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2})
+    assert "prompt_tokens_details" not in resp.json()["usage"] or \
+        resp.json()["usage"]["prompt_tokens_details"] is None

@@ -18,6 +18,14 @@ from dataclasses import dataclass
 from server.engine.core.sequence import Sequence
 
 
+def chain_root(cache_salt: str | None) -> bytes:
+    """Where a sequence's chain of block hashes starts: the request's ``cache_salt`` goes into
+    the first block's name (so every later one's), as vLLM does."""
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8")).digest()
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -130,8 +138,9 @@ class BlockManager:
             return
         tokens = seq.all_token_ids
         size = self.block_size
+        root = chain_root(seq.params.cache_salt)
         for i in range(len(seq.block_hashes), num_written // size):
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            parent = seq.block_hashes[-1] if seq.block_hashes else root
             digest = block_hash(parent, tokens[i * size:(i + 1) * size])
             seq.block_hashes.append(digest)
             block = seq.block_table[i]
@@ -170,7 +179,7 @@ class BlockManager:
         size = self.block_size
         usable = (len(tokens) - 1) // size  # at least one token left to compute
         hits: list[int] = []
-        parent = b""
+        parent = chain_root(seq.params.cache_salt)
         for i in range(usable):
             parent = block_hash(parent, tokens[i * size:(i + 1) * size])
             block = self._by_hash.get(parent)
