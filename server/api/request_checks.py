@@ -33,7 +33,6 @@ _UNSUPPORTED_ANY: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     "use_beam_search": _unset,
     "bad_words": _unset,
     "allowed_token_ids": _unset,
-    "truncate_prompt_tokens": _unset,
     "return_tokens_as_token_ids": _unset,
     "prompt_embeds": _unset,
 }

@@ -149,12 +149,13 @@ def content_bytes(messages: list[ChatMessage]) -> int:
 
 
 def refuse_oversized(ctx: ServingContext, text_bytes: int, field_name: str,
-                     leave: int = 1) -> None:
+                     leave: int = 1, truncating: bool = False) -> None:
     """400 without tokenizing when ``text_bytes`` of text provably hold more tokens than
     the context (less ``leave`` tokens) allows: no token stands for more bytes than the
-    tokenizer's longest. Call it on a worker (the bound is computed once, on first use)."""
+    tokenizer's longest. Call it on a worker (the bound is computed once, on first use).
+    ``truncating``: the request keeps only its prompt's last tokens, so length is no bound."""
     per_token = ctx.engine.tokenizer.max_token_bytes
-    if per_token is None:
+    if per_token is None or truncating:
         return
     at_least = -(-text_bytes // per_token)
     if at_least > ctx.max_model_len - leave:
@@ -198,7 +199,7 @@ def build_sampling_params(
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, priority=req.priority,
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt, truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
     optional = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                     min_p=req.min_p, repetition_penalty=req.repetition_penalty,

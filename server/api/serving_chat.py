@@ -73,7 +73,8 @@ async def create_chat_completion(
     tok = ctx.engine.tokenizer
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
-        refuse_oversized(ctx, content_bytes(req.messages), "messages")
+        refuse_oversized(ctx, content_bytes(req.messages), "messages",
+                         truncating=req.truncate_prompt_tokens is not None)
         try:
             messages = template_messages([m.model_dump(exclude_none=True)
                                           for m in req.messages])

@@ -62,7 +62,8 @@ def _builder(ctx: ServingContext, prompt: str | list[int], field: str,
     a worker, unless it provably holds more tokens than the context allows."""
     def build() -> PromptInput:
         if isinstance(prompt, str):
-            refuse_oversized(ctx, len(prompt.encode("utf-8")), field)
+            refuse_oversized(ctx, len(prompt.encode("utf-8")), field,
+                             truncating=params.truncate_prompt_tokens is not None)
             return PromptInput(ctx.engine.tokenizer.encode(prompt), params)
         return PromptInput(prompt, params)
 

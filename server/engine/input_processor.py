@@ -57,6 +57,15 @@ class InputProcessor:
             self.structured().check(params.structured_outputs)
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the prompt's end matters: its last tokens are kept
+            if keep == -1:  # as much as the context holds beside what is to be generated
+                keep = max(1, self.limits.max_model_len - (params.max_tokens or 1))
+            if keep == 0:
+                raise RequestError("truncate_prompt_tokens 0 leaves no prompt",
+                                   "truncate_prompt_tokens")
+            prompt_ids = prompt_ids[-keep:]
+            prompt_text = None  # the text sent is no longer the prompt's
         params = self._check(prompt_ids, params)
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now,

@@ -65,6 +65,9 @@ class SamplingParams(BaseModel):
     # Not sampling either: vLLM's cache_salt. It enters the hash of the request's first KV
     # block, so prompts with different salts never share cached blocks (tenant isolation).
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds beside
+    # max_tokens, or beside one token when it is unset)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(16, ge=1, description="None: up to the context length")
     # int32 bounds (here and on top_k): beyond them a value is a typo, and a top_k of 2**63
     # would overflow the sampler's int64 tensor

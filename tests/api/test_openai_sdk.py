@@ -224,3 +224,29 @@ def test_sdk_raises_typed_errors(client, model_name: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model_name, messages=MESSAGES, temperature=-1)
     assert "temperature" in str(err.value)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client, model_name: str) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are served, even when the
+    whole prompt is longer than the context (the length check applies after truncating)."""
+    ids = [5 + i % 40 for i in range(600)]  # longer than the context
+    reply = client.completions.create(
+        model=model_name, prompt=ids, max_tokens=2, temperature=0,
+        extra_body={"truncate_prompt_tokens": 10, "return_token_ids": True})
+    assert reply.usage.prompt_tokens == 10
+    assert reply.choices[0].model_dump()["prompt_token_ids"] == ids[-10:]
+    text = "the quick brown fox " * 400  # refused unread without truncation
+    reply = client.completions.create(model=model_name, prompt=text, max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": 20})
+    assert reply.usage.prompt_tokens == 20
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=model_name, prompt=text, max_tokens=2)
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": text}], max_tokens=2,
+        extra_body={"truncate_prompt_tokens": -1})
+    assert chat.usage.prompt_tokens == server_max_len(server) - 2  # beside max_tokens
+
+
+def server_max_len(server) -> int:
+    return httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0][
+        "max_model_len"]
