@@ -178,6 +178,8 @@ class SamplingFields(RequestModel):
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
     # vLLM's: the prompt's and each choice's token ids beside the text
     return_token_ids: bool = False
+    # vLLM's: only these tokens may be sampled
+    allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1, max_length=1 << 20)
     # vLLM's: only the prompt's last k tokens are kept (-1: the context's worth)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     # vLLM's: requests share cached KV blocks only with requests of the same salt

@@ -200,6 +200,7 @@ def build_sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, priority=req.priority,
         cache_salt=req.cache_salt, truncate_prompt_tokens=req.truncate_prompt_tokens,
+        allowed_token_ids=req.allowed_token_ids,
     )
     optional = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                     min_p=req.min_p, repetition_penalty=req.repetition_penalty,

@@ -114,6 +114,9 @@ class InputProcessor:
                                f"[0, {vocab}))", "prompt")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if params.allowed_token_ids and any(not 0 <= t < vocab
+                                            for t in params.allowed_token_ids):
+            raise RequestError(f"allowed_token_ids must be in [0, {vocab})", "allowed_token_ids")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         n_prompt = len(prompt_ids)

@@ -88,6 +88,8 @@ class SamplingParams(BaseModel):
     )
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
+    # vLLM's: only these tokens may be sampled (the logprobs reported are over them)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -250,3 +250,20 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client, model_name
 def server_max_len(server) -> int:
     return httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0][
         "max_model_len"]
+
+
+def test_allowed_token_ids_limit_what_is_sampled(client, model_name: str) -> None:
+    """vLLM's allowed_token_ids: every sampled token is one of them, at any temperature, and
+    the logprobs are over them alone."""
+    allowed = [5, 9, 17]
+    for seed in range(3):
+        reply = client.completions.create(
+            model=model_name, prompt="the quick", max_tokens=8, temperature=1.5, seed=seed,
+            logprobs=2, extra_body={"allowed_token_ids": allowed, "return_token_ids": True,
+                                    "ignore_eos": True})
+        choice = reply.choices[0].model_dump()
+        assert set(choice["token_ids"]) <= set(allowed), choice["token_ids"]
+        assert all(len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        client.completions.create(model=model_name, prompt="x", max_tokens=1,
+                                  extra_body={"allowed_token_ids": [10**8]})

@@ -15,6 +15,7 @@ import torch
 
 from server.engine.core.sequence import Sequence
 from server.engine.outputs import TokenLogprob
+from server.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
@@ -43,6 +44,8 @@ class SamplingTensors:
     num_logprobs: int  # K = max requested top logprobs; -1 when no row wants logprobs
     # [B, ceil(V / 32)] int32 of allowed tokens (structured outputs); None: no row guided
     token_bitmask: torch.Tensor | None = None
+    # [B, V] bool, True where the row may sample (allowed_token_ids); None: no row limits
+    allowed: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -91,6 +94,7 @@ class SamplingTensors:
             generators=[_generator(s, device) for s in seqs],
             num_logprobs=max(wants) if wants else -1,
             token_bitmask=token_bitmask,
+            allowed=_allowed(params, vocab_size, device),
         )
 
 
@@ -115,7 +119,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
         guided = None
-        if t.token_bitmask is not None:  # first: the logprobs reported are the masked ones
+        if t.allowed is not None:  # first: the logprobs reported are over what may be sampled
+            logits = logits.masked_fill(~t.allowed, float("-inf"))
+        if t.token_bitmask is not None:
             logits = guided = apply_bitmask(logits, t.token_bitmask)
         if t.bias_rows is not None:
             logits = logits.index_put((t.bias_rows, t.bias_cols), t.bias_values, accumulate=True)
@@ -233,6 +239,19 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     width = max((len(r) for r in rows), default=0) or 1
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
                         device=device)
+
+
+def _allowed(params: Seq[SamplingParams], vocab_size: int,
+             device: torch.device) -> torch.Tensor | None:
+    """The rows' allowed_token_ids as a mask (rows without the field allow everything)."""
+    if not any(p.allowed_token_ids for p in params):
+        return None
+    allowed = torch.ones(len(params), vocab_size, dtype=torch.bool)
+    for row, p in enumerate(params):
+        if p.allowed_token_ids:
+            allowed[row] = False
+            allowed[row, p.allowed_token_ids] = True
+    return allowed.to(device)
 
 
 def _sparse_biases(
