@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
 from server.engine.outputs import TokenLogprob
-from server.engine.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf (and here for NaN too)
 
@@ -41,8 +40,8 @@ class LogprobFormatter:
     """Logprobs of one tokenizer's tokens, in OpenAI's shapes (thread-safe: the caches only
     grow, one dict assignment at a time)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, token_str: Callable[[int], str]) -> None:
+        self.token_str = token_str  # a token's text (a tokenizer's, or "token_id:N")
         self._fragments: dict[int, tuple[str, str]] = {}
 
     def _fragment(self, token_id: int) -> tuple[str, str]:
@@ -50,7 +49,7 @@ class LogprobFormatter:
         ``,"bytes":[..]``."""
         parts = self._fragments.get(token_id)
         if parts is None:
-            text = self.tokenizer.token_str(token_id)
+            text = self.token_str(token_id)
             parts = ('{"token":' + dumps(text) + ',"logprob":',
                      ',"bytes":' + dumps(list(text.encode("utf-8"))))
             self._fragments[token_id] = parts
@@ -72,10 +71,10 @@ class LogprobFormatter:
 
     def chat_dict(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         """The same as plain dicts (a stream chunk's few tokens)."""
-        tok = self.tokenizer
+        token_str = self.token_str
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = tok.token_str(token_id)
+            text = token_str(token_id)
             return {"token": text, "logprob": json_logprob(logprob),
                     "bytes": list(text.encode("utf-8"))}
 
@@ -85,7 +84,7 @@ class LogprobFormatter:
 
     def completion_dict(self, entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
         """A completion choice's ``logprobs``; ``offset``: characters of text before it."""
-        token_str = self.tokenizer.token_str
+        token_str = self.token_str
         tokens: list[str] = []
         token_logprobs: list[float] = []
         top_logprobs: list[dict[str, float]] = []

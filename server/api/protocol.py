@@ -11,10 +11,12 @@ from pydantic import (
     Discriminator,
     Field,
     RootModel,
+    SerializerFunctionWrapHandler,
     StrictInt,
     Tag,
     ValidationInfo,
     field_validator,
+    model_serializer,
 )
 
 from server.api.text_fields import Text, no_bool_token_ids, text_only_parts
@@ -178,6 +180,8 @@ class SamplingFields(RequestModel):
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
     # vLLM's: the prompt's and each choice's token ids beside the text
     return_token_ids: bool = False
+    # vLLM's: logprob tokens as "token_id:N" instead of their text
+    return_tokens_as_token_ids: bool = False
     # vLLM's: only these tokens may be sampled
     allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1, max_length=1 << 20)
     # vLLM's: only the prompt's last k tokens are kept (-1: the context's worth)
@@ -243,6 +247,13 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
     # with --enable-prompt-tokens-details (vLLM's), else left out
     prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_tokens_details", 0) is None:
+            del data["prompt_tokens_details"]
+        return data
 
 
 class TopLogprob(BaseModel):

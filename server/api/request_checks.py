@@ -32,7 +32,6 @@ _UNSUPPORTED_ANY: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     "logits_processors": _unset,
     "use_beam_search": _unset,
     "bad_words": _unset,
-    "return_tokens_as_token_ids": _unset,
     "prompt_embeds": _unset,
 }
 _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {

@@ -103,9 +103,17 @@ class ServingContext:
     prompt_tokens_details: bool = False
     # the engine's tokenizer's logprob texts, cached per token id
     logprobs: LogprobFormatter = field(init=False)
+    logprobs_as_ids: LogprobFormatter = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "logprobs", LogprobFormatter(self.engine.tokenizer))
+        object.__setattr__(self, "logprobs",
+                           LogprobFormatter(self.engine.tokenizer.token_str))
+        object.__setattr__(self, "logprobs_as_ids", LogprobFormatter(_token_id_str))
+
+    def logprob_format(self, req: SamplingFields) -> LogprobFormatter:
+        """The request's logprob texts: the tokens', or vLLM's ``token_id:N`` with
+        ``return_tokens_as_token_ids`` (tokens that are no valid UTF-8 alone stay exact)."""
+        return self.logprobs_as_ids if req.return_tokens_as_token_ids else self.logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +353,10 @@ async def json_answer(ctx: ServingContext, tag: RequestTag, build: Callable[[], 
     if len(body) >= BIG_REQUEST_BYTES:
         ctx.workers.trim_soon()
     return Response(body, media_type="application/json")
+
+
+def _token_id_str(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int,

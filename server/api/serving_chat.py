@@ -93,11 +93,7 @@ async def create_chat_completion(
         return ChoiceReader(plan, ctx.reasoning_parser)
 
     if req.stream:
-        options = req.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and bool(options and options.continuous_usage_stats)
-        return _stream(ctx, stream, response_id, req.n, include_usage, reader, continuous,
-                       req.return_token_ids)
+        return _stream(ctx, stream, response_id, req, reader)
     final = await accumulate(stream)
 
     def build() -> bytes:  # on a worker: logprobs of n=128 x 512 tokens are 1.3M entries
@@ -129,7 +125,7 @@ async def create_chat_completion(
             prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
         )
         return answer_bytes(skeleton, [None if c.logprobs is None
-                                       else ctx.logprobs.chat_json(c.logprobs)
+                                       else ctx.logprob_format(req).chat_json(c.logprobs)
                                        for c in final.outputs])
 
     return await json_answer(ctx, tag, build)
@@ -179,11 +175,16 @@ def _finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:
 
 
 async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], response_id: str,
-                  n: int, include_usage: bool, reader: Callable[[], ChoiceReader],
-                  continuous: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
-    """``continuous``: every chunk carries the usage so far (vLLM's
-    ``stream_options.continuous_usage_stats``); ``token_ids``: the first chunk carries the
-    prompt's token ids and each choice its new ones (``return_token_ids``)."""
+                  req: ChatCompletionRequest, reader: Callable[[], ChoiceReader]
+                  ) -> AsyncIterator[str]:
+    """The request's SSE chunks. vLLM's extras: with ``continuous_usage_stats`` every chunk
+    carries the usage so far; with ``return_token_ids`` the first chunk carries the prompt's
+    token ids and each choice its new ones."""
+    n, options = req.n, req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
+    token_ids = req.return_token_ids
+    formatter = ctx.logprob_format(req)
     created = created_now()
     outputs = aiter(stream)
     # the first chunks carry the prompt's size or ids: wait for the first output (which has
@@ -243,7 +244,7 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
                 stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if token_ids else None,
             ))
-            logprobs.append(ctx.logprobs.chat_dict(c.logprobs) if c.logprobs else None)
+            logprobs.append(formatter.chat_dict(c.logprobs) if c.logprobs else None)
         # one choice per chunk, as vLLM streams n > 1 (clients index chunk.choices[0])
         for choice, choice_logprobs in zip(choices, logprobs):
             yield chunk([choice], [choice_logprobs], **usage_so_far(out))

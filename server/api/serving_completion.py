@@ -123,7 +123,7 @@ async def create_completion(
                     token_ids=list(c.token_ids) if req.return_token_ids else None,
                 ))
                 logprobs.append(None if c.logprobs is None
-                                else ctx.logprobs.completion_dict(c.logprobs, 0))
+                                else ctx.logprob_format(req).completion_dict(c.logprobs, 0))
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
         generated = sum(o.num_generated_tokens for o in finals.values())
         skeleton = CompletionResponse(
@@ -187,7 +187,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
                 if req.return_token_ids and first_chunk else None,
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
-            logprobs.append(ctx.logprobs.completion_dict(c.logprobs, offset)
+            logprobs.append(ctx.logprob_format(req).completion_dict(c.logprobs, offset)
                             if c.logprobs else None)
         # one choice per chunk, as vLLM streams n > 1 (clients index chunk.choices[0])
         for choice, choice_logprobs in zip(choices, logprobs):

@@ -267,3 +267,24 @@ def test_allowed_token_ids_limit_what_is_sampled(client, model_name: str) -> Non
     with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
         client.completions.create(model=model_name, prompt="x", max_tokens=1,
                                   extra_body={"allowed_token_ids": [10**8]})
+
+
+def test_return_tokens_as_token_ids(client, model_name: str) -> None:
+    """vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:N", N the sampled
+    ids (return_token_ids), whole and streamed, chat and completions."""
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_eos": True}
+    text = client.completions.create(model=model_name, prompt="the quick", max_tokens=4,
+                                     temperature=0, logprobs=1, extra_body=extra)
+    choice = text.choices[0].model_dump()
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    chat = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=1,
+                                          extra_body=extra)
+    entries = chat.choices[0].logprobs.content
+    ids = chat.choices[0].model_dump()["token_ids"]
+    assert [e.token for e in entries] == [f"token_id:{t}" for t in ids]
+    streamed = [c for c in client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+        stream=True, extra_body=extra) if c.choices and c.choices[0].logprobs]
+    assert [e.token for c in streamed for e in c.choices[0].logprobs.content] == \
+        [f"token_id:{t}" for t in ids]
