@@ -207,6 +207,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # vLLM's: the last message stays open for the model to continue (a prefilled answer)
     continue_final_message: bool = False
+    # vLLM's: documents for a RAG chat template (each a dict such as {"title", "text"})
+    documents: list[dict[str, Text]] | None = Field(None, max_length=1024)
     tools: list[ChatTool] | None = Field(None, max_length=256)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

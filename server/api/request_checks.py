@@ -48,7 +48,6 @@ _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     # a template from the request runs on the server: refused, as vLLM does unless
     # --trust-request-chat-template
     "chat_template": _unset,
-    "documents": _unset,
     "echo": _unset,
     "add_special_tokens": _unset,
 }

@@ -73,13 +73,15 @@ async def create_chat_completion(
     tok = ctx.engine.tokenizer
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
-        refuse_oversized(ctx, content_bytes(req.messages), "messages",
+        documents = sum(len(v.encode("utf-8")) for d in req.documents or [] for v in d.values())
+        refuse_oversized(ctx, content_bytes(req.messages) + documents, "messages",
                          truncating=req.truncate_prompt_tokens is not None)
         try:
             messages = template_messages([m.model_dump(exclude_none=True)
                                           for m in req.messages])
             text = tok.apply_chat_template(messages, req.add_generation_prompt, plan.tools,
-                                           template_kwargs, req.continue_final_message)
+                                           template_kwargs, req.continue_final_message,
+                                           req.documents)
             ids = tok.encode(text, add_special_tokens=False)
         except ValueError as exc:  # no template, unsupported content parts, template errors
             raise APIError(400, str(exc), "messages") from None

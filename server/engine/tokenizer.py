@@ -123,11 +123,13 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
         """Prompt text for ``messages``; content may be a str or a list of text parts.
         ``tools`` (OpenAI's function definitions) and ``template_kwargs`` (variables such as
         ``enable_thinking``) are handed to the template. ``continue_final_message``: the
         last message is left open (no end of turn after it) for the model to go on with.
+        ``documents``: what a retrieval-augmented template lists (title, text...).
 
         Raises ``ValueError`` when the tokenizer has no chat template, a part isn't text,
         or the template fails on these messages.
@@ -146,6 +148,7 @@ class Tokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                documents=documents or None,
                 **(template_kwargs or {}),
             )
         except TemplateError as exc:  # raise_exception() in templates, undefined variables

@@ -40,9 +40,10 @@ class CharTokenizer:
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None,
                             template_kwargs: dict[str, Any] | None = None,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False,
+                            documents: list[dict[str, str]] | None = None) -> str:
         self.template_calls.append(dict(messages=messages, tools=tools,
-                                        template_kwargs=template_kwargs))
+                                        template_kwargs=template_kwargs, documents=documents))
         return "|".join(str(m.get("content") or "") for m in messages)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -116,3 +116,21 @@ def test_gguf_tokenizer_conversion_is_cached(smollm2_gguf, smol: Tokenizer, tmp_
     shutil.copy(Path(folder) / gguf_file, copy_dir / gguf_file)
     Tokenizer.from_model_path(str(copy_dir), gguf_file=gguf_file, cache_dir=tmp_path)
     assert len([p for p in tmp_path.iterdir() if p.name != "copy"]) == 2
+
+
+def test_documents_and_continue_final_message_reach_the_template(tiny_model, tmp_path) -> None:
+    """vLLM's documents (RAG templates) and continue_final_message, through transformers'
+    template call."""
+    template = tmp_path / "rag.jinja"
+    template.write_text(
+        "{% for d in documents or [] %}[doc {{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok = Tokenizer.from_model_path(tiny_model[0], chat_template=str(template))
+    messages = [{"role": "user", "content": "where?"}, {"role": "assistant", "content": "In"}]
+    text = tok.apply_chat_template(messages, False, documents=[
+        {"title": "atlas", "text": "Paris is in France"}])
+    assert text.startswith("[doc atlas: Paris is in France]<|user|>where?")
+    assert text.endswith("<|assistant|>In</s>")
+    assert tok.apply_chat_template(messages, False, continue_final_message=True).endswith(
+        "<|assistant|>In")
