@@ -11,6 +11,8 @@ import httpx
 import pytest
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 
+pytestmark = pytest.mark.slow  # servers of their own, slept and woken
+
 KEY = "sleep-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "the quick brown fox"

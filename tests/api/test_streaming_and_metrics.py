@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -35,6 +36,7 @@ def sse_text(lines: list[str]) -> tuple[str, list[str]]:
     return text, reasons
 
 
+@pytest.mark.slow  # 32 streams against 32 whole answers (14 s): make test-fast skips it
 def test_32_concurrent_streams_match_non_streamed(server) -> None:
     prompts = [f"numbers {i} {i + 1}" for i in range(32)]
     body = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}

@@ -85,6 +85,7 @@ def test_sdk_parse_with_a_pydantic_model(client) -> None:
     assert final.choices[0].message.parsed == person  # same seed, same tokens
 
 
+@pytest.mark.slow  # every grammar kind at temperature 1 (9 s): make test-fast skips it
 def test_every_kind_valid_at_temperature_1_beside_unguided_requests(server) -> None:
     """24 guided requests (6 of each kind, half streamed) and 8 unguided, all at once."""
     kinds = {

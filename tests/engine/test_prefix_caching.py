@@ -80,6 +80,7 @@ def test_preemption_and_aborts_release_shared_blocks(tiny_model) -> None:
     assert engine.stats().prefix_cache_hits == hits
 
 
+@pytest.mark.slow  # compile mode (11 s): make test-fast skips it
 def test_compile_mode_caches_through_context_buckets(tiny_model, tmp_path) -> None:
     """With compiled graphs a cache hit runs alone in a prompt bucket with context blocks:
     the same tokens as the miss, no bucket miss, no compilation while serving."""

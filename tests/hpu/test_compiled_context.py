@@ -13,6 +13,8 @@ from server import LLM, SamplingParams
 from server.config import ExecutionMode
 from server.hpu.types import Phase
 
+pytestmark = pytest.mark.slow  # compile mode end to end
+
 # chunks of up to 32 tokens after up to 7 blocks of context; context-free pairs; decodes
 BUCKETS = "(1, [16, 32], [0, 1, 2, 4, 7])\n(2, 16, 0)\n([1, 2, 4], 1, [8, 16, 32])\n"
 

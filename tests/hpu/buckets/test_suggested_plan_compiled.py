@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from server import LLM, SamplingParams
 from server.hpu.buckets.fit import Observed, WarmupModel, evaluate, format_bucket_file, suggest
 from server.hpu.types import Phase
+
+pytestmark = pytest.mark.slow  # compile mode end to end
 
 # without chunked prefill and prefix caching an eager engine schedules as graphs do (no
 # prefill after a context, no decodes riding in a prompt batch), so its shapes are the ones
