@@ -26,6 +26,7 @@ def engines(tiny_model, tmp_path_factory):
     return compiled, eager
 
 
+@pytest.mark.slow  # a mixed workload in compile mode against eager (19 s): make test-fast skips it
 def test_zero_compilations_after_warmup_and_eager_parity(engines) -> None:
     compiled, eager = engines
     counters = compiled.engine.counters
