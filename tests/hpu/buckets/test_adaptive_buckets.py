@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from server import LLM, SamplingParams
 from server.config import make_engine_config
 from server.hpu.types import Phase
@@ -20,6 +22,7 @@ def test_off_by_default_and_selected_by_flag_or_env() -> None:
     assert make_engine_config({"VLLM_BUCKETING_STRATEGY": "adaptive"}).bucketing.adaptive
 
 
+@pytest.mark.slow  # compile mode while serving (9 s): make test-fast skips it
 def test_buckets_added_while_serving_compile_as_warmup(tiny_model, tmp_path) -> None:
     path = tmp_path / "buckets.txt"
     path.write_text(BUCKETS)
