@@ -114,6 +114,11 @@ class InputProcessor:
                                f"[0, {vocab}))", "prompt")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if params.allowed_token_ids and params.structured_outputs is not None:
+            # two masks that may leave nothing to sample: a constraint already says what may
+            raise RequestError("allowed_token_ids cannot be combined with a structured output "
+                               "constraint (response_format, structured_outputs, guided_*, "
+                               "forced tool calls)", "allowed_token_ids")
         if params.allowed_token_ids and any(not 0 <= t < vocab
                                             for t in params.allowed_token_ids):
             raise RequestError(f"allowed_token_ids must be in [0, {vocab})", "allowed_token_ids")

@@ -267,6 +267,16 @@ def test_allowed_token_ids_limit_what_is_sampled(client, model_name: str) -> Non
     with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
         client.completions.create(model=model_name, prompt="x", max_tokens=1,
                                   extra_body={"allowed_token_ids": [10**8]})
+    # with a grammar the two masks could leave nothing to sample (found by the fuzz run)
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        client.completions.create(model=model_name, prompt="x", max_tokens=1,
+                                  extra_body={"allowed_token_ids": [5],
+                                              "guided_choice": ["yes", "no"]})
+    # min_tokens forbids EOS; allowed only EOS: the allowed token still wins
+    eos = client.completions.create(model=model_name, prompt="x", max_tokens=2,
+                                    extra_body={"allowed_token_ids": [2], "min_tokens": 2,
+                                                "return_token_ids": True})
+    assert set(eos.choices[0].model_dump()["token_ids"]) <= {2}
 
 
 def test_return_tokens_as_token_ids(client, model_name: str) -> None:

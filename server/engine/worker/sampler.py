@@ -118,18 +118,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
-        guided = None
-        if t.allowed is not None:  # first: the logprobs reported are over what may be sampled
-            logits = logits.masked_fill(~t.allowed, float("-inf"))
+        restricted = None  # first: the logprobs reported are over what may be sampled
+        if t.allowed is not None:
+            logits = restricted = logits.masked_fill(~t.allowed, float("-inf"))
         if t.token_bitmask is not None:
-            logits = guided = apply_bitmask(logits, t.token_bitmask)
+            logits = restricted = apply_bitmask(logits, t.token_bitmask)
         if t.bias_rows is not None:
             logits = logits.index_put((t.bias_rows, t.bias_cols), t.bias_values, accumulate=True)
-            if guided is not None:
-                # min_tokens can forbid the only tokens a grammar allows (its end): the
-                # grammar wins, rather than a row with nothing left to sample
+            if restricted is not None:
+                # min_tokens can forbid the only tokens a grammar or allowed_token_ids allow
+                # (EOS): they win, rather than a row with nothing left to sample
                 dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
-                logits = torch.where(dead, guided, logits)
+                logits = torch.where(dead, restricted, logits)
         if t.presence is not None:
             logits = apply_penalties(logits, t)
         logprobs = torch.log_softmax(logits, dim=-1) if t.num_logprobs >= 0 else None
