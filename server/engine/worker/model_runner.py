@@ -102,7 +102,7 @@ class ModelRunner:
         self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
                                    self.kv_cache_bytes)
         self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
-                                   loaded.dtype, ops.decode_layout)
+                                   loaded.dtype, limits.max_model_len, ops.decode_layout)
         graphs: ShapeRunner = platform.graph_runner(
             mode, ModelForward(loaded.model, self.kv_caches), self.counters, loaded.model,
             config.device)
