@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -24,6 +25,7 @@ from server.api.protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
+from server.api.reasoning_parsers import ReasoningParser
 from server.api.request_checks import check_limits, check_messages, reject_unsupported
 from server.api.serving import (
     RequestTag,
@@ -50,9 +52,24 @@ from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 
 
-async def create_chat_completion(
-    ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
-) -> Response | AsyncIterator[str]:
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request on its way through the engine: its outputs, and how to read them back
+    as OpenAI's message parts (reasoning, content, tool calls). The Responses API
+    (server/api/responses/) serves its requests through the same run."""
+
+    stream: AsyncIterator[RequestOutput]
+    plan: ToolPlan
+    reasoning: type[ReasoningParser] | None
+
+    def reader(self) -> ChoiceReader:
+        return ChoiceReader(self.plan, self.reasoning)
+
+
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
+                     ) -> ChatRun:
+    """Checks ``req``, renders its prompt (on a worker) and queues it: 400s, 429s and 503s
+    are raised here, before anything is answered."""
     check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
@@ -89,11 +106,15 @@ async def create_chat_completion(
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
     stream = tapped(await submit(ctx, tag, build, params.n), request_tap(ctx, params, tag))
+    return ChatRun(stream, plan, ctx.reasoning_parser)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
+) -> Response | AsyncIterator[str]:
+    run = await start_chat(ctx, req, tag)
+    stream, plan, reader = run.stream, run.plan, run.reader
     response_id = f"chatcmpl-{tag.request_id}"
-
-    def reader() -> ChoiceReader:
-        return ChoiceReader(plan, ctx.reasoning_parser)
-
     if req.stream:
         return _stream(ctx, stream, response_id, req, reader)
     final = await accumulate(stream)
