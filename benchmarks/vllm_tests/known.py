@@ -36,7 +36,18 @@ class Kind(Enum):
 
 
 # part of the test id -> (kind, reason); filled from the last run (REPORT.md)
-FAILURES: dict[str, tuple[Kind, str]] = {}
+FAILURES: dict[str, tuple[Kind, str]] = {
+    "test_basic.py::test_request_cancellation": (
+        Kind.MODEL_SPECIFIC, "--max-model-len 10100 exceeds the embedded model's 8192-token "
+        "context; hpu-serve refuses it at start-up as vLLM does beyond a model's length"),
+    "test_basic.py::test_server_load": (
+        Kind.MISSING_FEATURE, "--enable-server-load-tracking and GET /load "
+        "(in progress: the CLI/deployment helper)"),
+    "test_tokenization.py::": (
+        Kind.MISSING_FEATURE, "--enable-tokenizer-info-endpoint and GET /tokenizer_info: the "
+        "flag is unknown, so the module's server does not start (its /tokenize and "
+        "/detokenize tests are blocked with it)"),
+}
 
 
 def classify(nodeid: str) -> tuple[Kind, str] | None:
