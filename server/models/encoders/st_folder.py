@@ -99,9 +99,16 @@ def read_sentence_transformer(folder: str | Path) -> SentenceTransformerSpec:
     st_bert = _read(bert_cfg) if bert_cfg.is_file() else {}
     prompts_cfg = root / "config_sentence_transformers.json"
     st_cfg = _read(prompts_cfg) if prompts_cfg.is_file() else {}
+    max_seq_length = st_bert.get("max_seq_length")
+    tok_cfg = root / "tokenizer_config.json"
+    if max_seq_length is None and tok_cfg.is_file():
+        # sentence-transformers 6 keeps it as the tokenizer's model_max_length (a huge
+        # sentinel when unset)
+        limit = _read(tok_cfg).get("model_max_length")
+        max_seq_length = int(limit) if isinstance(limit, (int, float)) and limit < 1e9 else None
     return SentenceTransformerSpec(
         pooling=pooling or PoolingType.MEAN, normalize=normalize,
-        max_seq_length=st_bert.get("max_seq_length"),
+        max_seq_length=max_seq_length,
         do_lower_case=bool(st_bert.get("do_lower_case", False)),
         prompts=dict(st_cfg.get("prompts") or {}),
         default_prompt_name=st_cfg.get("default_prompt_name"))
