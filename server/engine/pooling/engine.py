@@ -175,6 +175,18 @@ class PoolingEngine:
         return PoolingRequest(request_id, prompt if isinstance(prompt, str) else None, ids,
                               params, arrival_time or time.monotonic(), client)
 
+    def pair_tokens(self, text_1: str, text_2: str) -> tuple[list[int], tuple[int, ...] | None]:
+        """A (query, document) pair as a cross-encoder reads it: one input with the
+        tokenizer's separators, cut to the context, and its segment ids (BERT)."""
+        enc = self.tokenizer.hf(text_1, text_2, truncation=True,
+                                max_length=self.limits.max_model_len)
+        types = enc.get("token_type_ids")
+        return list(enc["input_ids"]), tuple(types) if types is not None else None
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: PoolingParams | None = None) -> None:
+        self.enqueue(self.prepare(request_id, prompt, params))
+
     def enqueue(self, request: PoolingRequest) -> None:
         if request.request_id in self.scheduler.waiting:
             raise RequestError(f"request id {request.request_id!r} is already in use",
