@@ -11,16 +11,31 @@ import pytest
 
 from tests.conftest import CORPUS, build_tokenizer
 
-WORDS = sorted({w for line in CORPUS for w in line.split()} | set("abcdefghijklmnopqrstuvwxyz"))
+WORDS = sorted({w for line in CORPUS for w in line.split()} | set("abcdefghijklmnopqrstuvwxyz")
+               | {"quick", "fox", "keys", "again", "and"})
 
 
 def bert_tokenizer(folder: Path):
-    """A WordPiece tokenizer over the corpus' words (offline)."""
-    from transformers import BertTokenizerFast
+    """A WordPiece tokenizer over the corpus' words and letters (offline), with BERT's
+    [CLS] A [SEP] B [SEP] template and segment ids."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    return BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    del folder
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    pieces = [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    vocab = {t: i for i, t in enumerate([*specials, *WORDS, *pieces])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "token_type_ids",
+                                                      "attention_mask"])
 
 
 def save_hf(folder: Path, kind: str, classify: bool = False, num_labels: int = 1,
@@ -61,6 +76,11 @@ def save_hf(folder: Path, kind: str, classify: bool = False, num_labels: int = 1
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+    if kind == "xlm-roberta":  # one segment type: its tokenizers give no type ids
+        path = folder / "tokenizer_config.json"
+        tok_cfg = json.loads(path.read_text())
+        tok_cfg["model_input_names"] = ["input_ids", "attention_mask"]
+        path.write_text(json.dumps(tok_cfg))
 
 
 def save_st(folder: Path, kind: str, pooling: str = "mean", normalize: bool = True,

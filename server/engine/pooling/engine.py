@@ -158,7 +158,9 @@ class PoolingEngine:
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError(f"token ids must be in [0, {vocab})", "input")
         types = params.token_type_ids
-        if types is not None and len(types) != len(ids):
+        if getattr(self.loaded.model.cfg, "type_vocab_size", 1) < 2:
+            types = None  # one segment type (XLM-R, causal LMs): the pair's ids say it all
+        elif types is not None and len(types) != len(ids):
             types = types[-len(ids):]
         if params.dimensions is not None:
             dims = self.info.matryoshka_dimensions
