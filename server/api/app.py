@@ -19,6 +19,8 @@ from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
 from server.api.middleware import GuardMiddleware
 from server.api.openapi import install_openapi
+from server.api.pooling.routes import add_pooling_routes
+from server.api.pooling.serving import refuse_generation
 from server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -125,8 +127,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         if isinstance(data, dict) and isinstance(data.get("messages"), list):
             check_messages(ctx.limits, len(data["messages"]))
 
+    add_pooling_routes(app, ctx)
+
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
+        refuse_generation(ctx)
         tag = tag_of(request)
         body = await parse_body(request, ChatCompletionRequest, ctx.workers, tag.client,
                                 few_messages)
@@ -135,6 +140,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
+        refuse_generation(ctx)
         tag = tag_of(request)
         body = await parse_body(request, CompletionRequest, ctx.workers, tag.client)
         work = create_completion(ctx, body, tag)
@@ -144,6 +150,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def invocations(request: Request) -> Response:
         """SageMaker's entry point, as vLLM serves it: chat when the body has messages,
         else a completion."""
+        refuse_generation(ctx)
         tag = tag_of(request)
         body = (await parse_body(request, InvocationRequest, ctx.workers, tag.client,
                                  few_messages)).root

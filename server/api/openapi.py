@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from server.api.pooling.protocol import BODIES as POOLING_BODIES
 from server.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -96,7 +97,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                                      CompletionResponse, HealthResponse, ResponseObject]
     # bodies the routes parse on a worker (server/api/request_body.py), not through FastAPI
     bodies: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                                     DetokenizeRequest, InvocationRequest, ResponsesRequest]
+                                     DetokenizeRequest, InvocationRequest, ResponsesRequest,
+                                     *POOLING_BODIES]
     _, defs = models_json_schema([(m, "validation") for m in bodies]
                                  + [(m, "serialization") for m in models], ref_template=_REF)
     components.update(defs.get("$defs", {}))

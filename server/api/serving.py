@@ -29,6 +29,7 @@ from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 from server.config import ChatOptions, RequestLimits
 from server.engine.inputs import Offload, PromptBuilder
 from server.engine.outputs import EngineStats, RequestOutput
+from server.engine.pooling.params import PoolingModelInfo
 from server.engine.sampling_params import SamplingParams
 from server.engine.tokenizer import Tokenizer
 from server.metrics import ServerMetrics
@@ -46,6 +47,10 @@ class EngineClient(Protocol):
 
     @property
     def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def pooling(self) -> PoolingModelInfo | None:
+        """The served pooling model (``--runner pooling``); None when it generates."""
 
     @property
     def metrics_registry(self) -> CollectorRegistry:

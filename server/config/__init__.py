@@ -26,6 +26,7 @@ from server.config.engine import (
 )
 from server.config.logging import LogFormat, LoggingConfig
 from server.config.model import CacheConfig, GiB, ModelOptions
+from server.config.pooling import Convert, PoolingConfig, Runner
 from server.config.responses import ResponsesStoreConfig
 from server.config.scheduler import MIN_BATCHED_TOKENS, SchedulerConfig, SchedulerLimits
 from server.config.server import (
@@ -40,9 +41,10 @@ from server.config.tracing import OtlpProtocol, TracingConfig
 
 __all__ = [
     "MIN_BATCHED_TOKENS", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
-    "ChatOptions", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode", "FairShare",
-    "GiB", "LogFormat", "LoggingConfig", "ModelOptions", "OtlpProtocol", "ParallelConfig",
-    "RequestLimits", "ResponsesStoreConfig", "SchedulerConfig",
+    "ChatOptions", "Convert", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode",
+    "FairShare", "GiB", "LogFormat", "LoggingConfig", "ModelOptions", "OtlpProtocol",
+    "ParallelConfig", "PoolingConfig", "RequestLimits", "ResponsesStoreConfig", "Runner",
+    "SchedulerConfig",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",
     "TracingConfig", "WarmupConfig", "add_engine_args", "add_server_args", "api_key_from_env",
     "bucketing_config_from_env", "engine_config_from_args", "make_engine_config",

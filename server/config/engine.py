@@ -12,6 +12,7 @@ from server.config.compat import VllmNoOpFlags
 from server.config.device import DeviceConfig, ParallelConfig
 from server.config.fields import add_flags, build, knob, section
 from server.config.model import CacheConfig, ModelOptions
+from server.config.pooling import PoolingConfig
 from server.config.scheduler import SchedulerConfig
 from server.config.server import FairShare, ServerConfig
 from server.config.structured import StructuredOutputsConfig
@@ -29,6 +30,7 @@ class EngineConfig:
     bucketing: BucketingConfig = section(BucketingConfig)
     parallel: ParallelConfig = section(ParallelConfig)
     structured_outputs: StructuredOutputsConfig = section(StructuredOutputsConfig)
+    pooling: PoolingConfig = section(PoolingConfig)
     vllm_no_op: VllmNoOpFlags = section(VllmNoOpFlags, group=NO_OP_GROUP)
     cache_dir: str | None = knob(
         None, env="HPU_SERVE_CACHE_DIR",

@@ -34,6 +34,8 @@ from server.engine.errors import (
 from server.engine.inputs import Offload, PromptBuilder, PromptInput
 from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import EngineStats, RequestOutput
+from server.engine.pooling.engine import PoolingEngine
+from server.engine.pooling.params import PoolingModelInfo
 from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
@@ -95,7 +97,9 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig,
                     on_dead: Callable[[BaseException], None] | None = None,
                     stats_interval: float | None = None) -> AsyncEngine:
-        return cls(functools.partial(LLMEngine, config), on_dead, stats_interval)
+        from server.engine.pooling.select import build_engine  # --runner picks the core
+
+        return cls(functools.partial(build_engine, config), on_dead, stats_interval)
 
     @property
     def engine(self) -> LLMEngine:
@@ -177,6 +181,12 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    @property
+    def pooling(self) -> PoolingModelInfo | None:
+        """The served pooling model (``--runner pooling``); None for a generative one."""
+        engine = self.engine
+        return engine.info if isinstance(engine, PoolingEngine) else None
 
     @property
     def metrics_registry(self) -> CollectorRegistry:

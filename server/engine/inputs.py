@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from server.engine.pooling.params import PoolingParams
 from server.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -17,10 +18,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class PromptInput:
-    """A prompt (text, or token ids) and the params it is generated with."""
+    """A prompt (text, or token ids) and the params it is generated (or pooled) with."""
 
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
 
 # Renders a chat template, tokenizes text...: whatever turns a request into its prompt costs

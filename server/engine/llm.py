@@ -1,4 +1,5 @@
-"""Offline batch API: ``LLM().generate(prompts, params)`` and ``LLM().chat(messages)``."""
+"""Offline batch API: ``LLM().generate(prompts, params)`` and ``LLM().chat(messages)``; for
+pooling models ``embed``, ``classify`` and ``score``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from server.config.compat import ignored_flags
 from server.engine.executor.mp import refuse_engine_in_worker
 from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import RequestOutput
+from server.engine.pooling import offline
+from server.engine.pooling.engine import PoolingEngine
+from server.engine.pooling.params import PoolingParams
+from server.engine.pooling.select import build_engine
 from server.engine.sampling_params import SamplingParams
 from server.log import init_logging
 
@@ -34,7 +39,7 @@ class LLM:
         config = make_engine_config(model=model, **options)
         for line in ignored_flags(config.vllm_no_op):  # LLM(trust_remote_code=True)...
             logger.warning("%s", line)
-        self.engine = LLMEngine(config)
+        self.engine: LLMEngine | PoolingEngine = build_engine(config)
         self.engine.warmup()
         self._ids = itertools.count()
 
@@ -54,6 +59,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given: each step's deltas
         accumulated into whole completions."""
+        if isinstance(self.engine, PoolingEngine):
+            raise ValueError("this model is served by the pooling runner (runner='pooling'): "
+                             "use embed, classify or score")
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         request_ids = []
@@ -88,6 +96,28 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params)
+
+    def _pooling(self) -> PoolingEngine:
+        if not isinstance(self.engine, PoolingEngine):
+            raise ValueError("this model generates text: embed, classify and score need a "
+                             "pooling model (runner='pooling')")
+        return self.engine
+
+    def embed(self, prompts: Prompt | Seq[Prompt],
+              pooling_params: PoolingParams | None = None
+              ) -> list[offline.PoolingOutputs[offline.EmbeddingOutput]]:
+        """One embedding per prompt (``out.outputs.embedding``), in the order given."""
+        return offline.embed(self._pooling(), prompts, pooling_params)
+
+    def classify(self, prompts: Prompt | Seq[Prompt]
+                 ) -> list[offline.PoolingOutputs[offline.ClassificationOutput]]:
+        """Class probabilities per prompt (``out.outputs.probs``)."""
+        return offline.classify(self._pooling(), prompts)
+
+    def score(self, data_1: str | Seq[str], data_2: str | Seq[str]
+              ) -> list[offline.PoolingOutputs[offline.ScoringOutput]]:
+        """A score per (data_1, data_2) pair (``out.outputs.score``): 1:1, 1:N or N:N."""
+        return offline.score(self._pooling(), data_1, data_2)
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

@@ -58,6 +58,7 @@ def letter(step: int, index: int) -> int:
 class FakeEngine:
     model_name = "fake-model"
     max_model_len = 1024
+    pooling = None  # a generative model
 
     def __init__(self, script: list[str] | None = None) -> None:
         """``script``: the model's answer, piece by piece (one piece per step and token,

@@ -1,0 +1,151 @@
+"""Wire schemas of the pooling endpoints (pydantic only), as vLLM and OpenAI spell them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field
+
+from server.api.protocol import ChatMessage, OpenAIModel, RequestModel, now
+from server.api.text_fields import Text, no_bool_token_ids
+
+TokenIds = Annotated[list[int], BeforeValidator(no_bool_token_ids)]
+# a string, a list of strings, a list of token ids or a list of such lists (OpenAI's input)
+PoolingInput = Text | list[Text] | TokenIds | list[TokenIds]
+
+
+class EmbeddingRequest(RequestModel):
+    """``/v1/embeddings`` and ``/pooling``: ``input``, or chat-style ``messages`` (vLLM's
+    chat embedding request, rendered with the model's chat template)."""
+
+    model: Text | None = None
+    input: PoolingInput | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: Text | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ClassificationRequest(RequestModel):
+    model: Text | None = None
+    input: PoolingInput | None = None
+    user: Text | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+class ScoreRequest(RequestModel):
+    """``text_1`` against ``text_2``: one to one, one to many, or pairwise (N to N)."""
+
+    model: Text | None = None
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(RequestModel):
+    """Jina / Cohere's rerank: ``documents`` ordered by relevance to ``query``."""
+
+    model: Text | None = None
+    query: Text
+    documents: list[Text]
+    top_n: int | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+
+
+class PoolingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[EmbeddingData]
+    usage: PoolingUsage
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[PoolingData]
+    usage: PoolingUsage
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankDocument(OpenAIModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+# bodies the routes parse on a worker (for the OpenAPI document's components)
+BODIES: tuple[type[BaseModel], ...] = (EmbeddingRequest, ClassificationRequest, ScoreRequest,
+                                       RerankRequest)

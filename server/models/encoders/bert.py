@@ -1,0 +1,207 @@
+"""BERT and XLM-RoBERTa encoders: absolute positions, token types, post-LayerNorm, GELU,
+bidirectional attention over a padded batch (no KV cache).
+
+Module names follow the Hugging Face checkpoints (``embeddings.word_embeddings``,
+``encoder.layer.N.attention.self.query``...), so their tensors load by name. XLM-RoBERTa is
+BERT whose positions start after the padding id (``padding_idx + 1``), with one token type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+@dataclass(frozen=True, slots=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    position_offset: int  # XLM-RoBERTa: padding_idx + 1; BERT: 0
+    num_labels: int
+
+    @classmethod
+    def from_hf(cls, hf: Any, roberta: bool) -> BertConfig:
+        act = getattr(hf, "hidden_act", "gelu")
+        if act not in _ACTS:
+            raise ValueError(f"hidden_act {act!r} is not supported ({', '.join(_ACTS)})")
+        if getattr(hf, "position_embedding_type", "absolute") not in ("absolute", None):
+            raise ValueError("only absolute position embeddings are supported")
+        pad = getattr(hf, "pad_token_id", 0) or 0
+        return cls(hf.vocab_size, hf.hidden_size, hf.num_hidden_layers,
+                   hf.num_attention_heads, hf.intermediate_size, hf.max_position_embeddings,
+                   getattr(hf, "type_vocab_size", 2), hf.layer_norm_eps, act,
+                   pad + 1 if roberta else 0, getattr(hf, "num_labels", 2))
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest input the position table holds."""
+        return self.max_position_embeddings - self.position_offset
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.offset = cfg.position_offset
+
+    def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + self.offset
+        x = (self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
+             + self.position_embeddings(positions))
+        return self.LayerNorm(x)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        bs, n, hidden = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(bs, n, self.num_heads, -1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)),
+                                             heads(self.value(x)), attn_mask=mask)
+        return out.transpose(1, 2).reshape(bs, n, hidden)
+
+
+class DenseNorm(nn.Module):
+    """A projection added to the residual, then LayerNorm (BERT's post-norm)."""
+
+    def __init__(self, cfg: BertConfig, size_in: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(size_in, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.self = SelfAttention(cfg)
+        self.output = DenseNorm(cfg, cfg.hidden_size)
+
+
+class Intermediate(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act = _ACTS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.intermediate = Intermediate(cfg)
+        self.output = DenseNorm(cfg, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.attention.output(self.attention.self(x, mask), x)
+        return self.output(self.intermediate(x), x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+
+
+class BertPooler(nn.Module):
+    """``BertForSequenceClassification``'s pooler: tanh(dense(CLS state))."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(cls))
+
+
+class RobertaClassificationHead(nn.Module):
+    """XLM-RoBERTa's classifier: out_proj(tanh(dense(CLS state)))."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.out_proj = nn.Linear(cfg.hidden_size, cfg.num_labels)
+
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(cls)))
+
+
+class BertEncoder(nn.Module):
+    """Token states of a right-padded batch; with ``classify`` also the class logits of each
+    row (from its first token, as the checkpoint's head computes them)."""
+
+    def __init__(self, cfg: BertConfig, roberta: bool, classify: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg)
+        self.encoder = Encoder(cfg)
+        self.roberta = roberta
+        self.classify = classify
+        if classify and roberta:
+            self.classifier: nn.Module = RobertaClassificationHead(cfg)
+        elif classify:
+            self.pooler = BertPooler(cfg)
+            self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.encoder.layer)
+
+    def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor,
+                lengths: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[1]
+        # keys past a row's length are padding; a padding row (length 0) keeps one key so
+        # that softmax has something to normalize (its output is dropped)
+        valid = torch.arange(n, device=input_ids.device)[None, :] < lengths.clamp(min=1)[:, None]
+        mask = valid[:, None, None, :]
+        x = self.embeddings(input_ids, token_types)
+        for layer in self.encoder.layer:
+            x = layer(x, mask)
+        return x
+
+    def head(self, cls: torch.Tensor) -> torch.Tensor:
+        """Class logits from the first token's states ``[rows, hidden]``."""
+        if self.roberta:
+            return self.classifier(cls)
+        return self.classifier(self.pooler(cls))
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """The module name of a checkpoint tensor (None: not used, e.g. MLM heads)."""
+        for prefix in ("bert.", "roberta.", "model."):
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        if name.startswith(("cls.", "lm_head.")) or name.endswith("position_ids"):
+            return None
+        return name
