@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -24,6 +25,7 @@ from server.api.protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
+from server.api.reasoning_parsers import ReasoningParser
 from server.api.request_checks import check_limits, check_messages, reject_unsupported
 from server.api.serving import (
     RequestTag,
@@ -50,9 +52,41 @@ from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 
 
-async def create_chat_completion(
-    ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
-) -> Response | AsyncIterator[str]:
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request in the engine: its outputs, and how to read each completion back
+    (reasoning, tool calls). The OpenAI and Anthropic answers are both written from it."""
+
+    stream: AsyncIterator[RequestOutput]
+    plan: ToolPlan
+    reasoning: type[ReasoningParser] | None
+
+    def reader(self) -> ChoiceReader:
+        return ChoiceReader(self.plan, self.reasoning)
+
+
+def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
+                       tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+    """The prompt text and token ids of ``req``'s messages (on a worker: long prompts).
+    ``tools``: what the template is handed (the plan's; every tool_choice shows them)."""
+    documents = sum(len(v.encode("utf-8")) for d in req.documents or [] for v in d.values())
+    refuse_oversized(ctx, content_bytes(req.messages) + documents, "messages",
+                     truncating=req.truncate_prompt_tokens is not None)
+    tok = ctx.engine.tokenizer
+    try:
+        messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        text = tok.apply_chat_template(messages, req.add_generation_prompt, tools,
+                                       _template_kwargs(req.chat_template_kwargs),
+                                       req.continue_final_message, req.documents)
+        return text, tok.encode(text, add_special_tokens=False)
+    except ValueError as exc:  # no template, unsupported content parts, template errors
+        raise APIError(400, str(exc), "messages") from None
+
+
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
+                     ) -> ChatRun:
+    """Checks ``req`` (400 naming the field), then queues it: the template is rendered and
+    tokenized on the preprocess pool, as the request's one hop."""
     check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
@@ -68,31 +102,24 @@ async def create_chat_completion(
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                             "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
-    template_kwargs = _template_kwargs(req.chat_template_kwargs)
+    _template_kwargs(req.chat_template_kwargs)  # refused here, before the request queues
     params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
-    tok = ctx.engine.tokenizer
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
-        documents = sum(len(v.encode("utf-8")) for d in req.documents or [] for v in d.values())
-        refuse_oversized(ctx, content_bytes(req.messages) + documents, "messages",
-                         truncating=req.truncate_prompt_tokens is not None)
-        try:
-            messages = template_messages([m.model_dump(exclude_none=True)
-                                          for m in req.messages])
-            text = tok.apply_chat_template(messages, req.add_generation_prompt, plan.tools,
-                                           template_kwargs, req.continue_final_message,
-                                           req.documents)
-            ids = tok.encode(text, add_special_tokens=False)
-        except ValueError as exc:  # no template, unsupported content parts, template errors
-            raise APIError(400, str(exc), "messages") from None
+        text, ids = render_chat_prompt(ctx, req, plan.tools)
         return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text))
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
     stream = tapped(await submit(ctx, tag, build, params.n), request_tap(ctx, params, tag))
-    response_id = f"chatcmpl-{tag.request_id}"
+    return ChatRun(stream, plan, ctx.reasoning_parser)
 
-    def reader() -> ChoiceReader:
-        return ChoiceReader(plan, ctx.reasoning_parser)
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
+) -> Response | AsyncIterator[str]:
+    run = await start_chat(ctx, req, tag)
+    stream, plan, reader = run.stream, run.plan, run.reader
+    response_id = f"chatcmpl-{tag.request_id}"
 
     if req.stream:
         return _stream(ctx, stream, response_id, req, reader)
