@@ -43,7 +43,9 @@ def _translated(status: int, body: bytes) -> bytes:
 
 
 class AnthropicErrors:
-    """ASGI middleware: JSON error answers on /v1/messages* in Anthropic's shape. It sits
+    """ASGI middleware: JSON error answers on /v1/messages* in Anthropic's shape, and
+    every answer there with Anthropic's ``request-id`` header (the X-Request-Id; the SDK
+    reads it as ``_request_id`` and ``error.request_id``). It sits
     outside the API key check, so a 401 is rewritten as well. Error bodies are small; the
     answers of other routes, and successful ones, pass through untouched."""
 
@@ -60,6 +62,7 @@ class AnthropicErrors:
         async def rewrite(message: dict[str, Any]) -> None:
             nonlocal start
             if message["type"] == "http.response.start":
+                message = _with_request_id(message)
                 if message["status"] >= 400 and _is_json(message.get("headers", [])):
                     start = message  # held until the body is whole
                     return
@@ -86,3 +89,9 @@ def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
 
 def _ours(path: str) -> bool:
     return path == PATH or path.startswith(PATH + "/")
+
+
+def _with_request_id(start: dict[str, Any]) -> dict[str, Any]:
+    headers = list(start.get("headers", []))
+    given = [v for k, v in headers if k.lower() == b"x-request-id"]
+    return {**start, "headers": headers + [(b"request-id", given[0])]} if given else start
