@@ -35,7 +35,8 @@ from server.api.protocol import (
 from server.api.request_body import body_schema, parse_body
 from server.api.request_checks import check_messages
 from server.api.request_log import LoggedEngine, RequestLog
-from server.api.routing import JSONBytes, request_tag, respond, until_disconnect
+from server.api.responses import add_responses_routes
+from server.api.routing import JSONBytes, respond, tag_of, until_disconnect
 from server.api.serving import (
     EngineClient,
     ServingContext,
@@ -95,6 +96,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
     install_error_handlers(app)
     _add_routes(app, ctx)
     add_sleep_routes(app, engine)
+    add_responses_routes(app, ctx, cfg.responses)
     install_openapi(app)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(cfg.allowed_origins),
@@ -127,7 +129,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
-        tag = request_tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, ChatCompletionRequest, ctx.workers, tag.client,
                                 few_messages)
         work = create_chat_completion(ctx, body, tag)
@@ -135,7 +137,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        tag = request_tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, CompletionRequest, ctx.workers, tag.client)
         work = create_completion(ctx, body, tag)
         return respond(await until_disconnect(request, work))
@@ -144,7 +146,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def invocations(request: Request) -> Response:
         """SageMaker's entry point, as vLLM serves it: chat when the body has messages,
         else a completion."""
-        tag = request_tag(request)
+        tag = tag_of(request)
         body = (await parse_body(request, InvocationRequest, ctx.workers, tag.client,
                                  few_messages)).root
         work = (create_chat_completion(ctx, body, tag)
@@ -201,7 +203,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest),
               response_model=TokenizeResponse)
     async def tokenize(request: Request) -> Response:
-        tag = request_tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, TokenizeRequest, ctx.workers, tag.client,
                                 few_messages)
         check_model(ctx, body.model)
@@ -230,7 +232,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest),
               response_model=DetokenizeResponse)
     async def detokenize(request: Request) -> Response:
-        tag = request_tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, DetokenizeRequest, ctx.workers, tag.client)
         check_model(ctx, body.model)
         tok = ctx.engine.tokenizer

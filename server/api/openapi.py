@@ -29,6 +29,7 @@ from server.api.protocol import (
     InvocationRequest,
     TokenizeRequest,
 )
+from server.api.responses.protocol import ResponseObject, ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 
@@ -51,6 +52,11 @@ def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
 _SUCCESS: Mapping[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]] = {
     ("post", "/v1/chat/completions"): (ChatCompletionResponse, _sse(ChatCompletionChunk)),
     ("post", "/v1/completions"): (CompletionResponse, _sse(CompletionResponse)),
+    # a Responses stream's events are typed by their "event:" line (no JSON schema here)
+    ("post", "/v1/responses"): (ResponseObject, {"text/event-stream": {"schema": {
+        "type": "object"}}}),
+    ("get", "/v1/responses/{response_id}"): (ResponseObject, {}),
+    ("post", "/v1/responses/{response_id}/cancel"): (ResponseObject, {}),
     ("get", "/health"): (HealthResponse, {}),
     ("get", "/ping"): (HealthResponse, {}),
     ("post", "/ping"): (HealthResponse, {}),
@@ -59,7 +65,7 @@ _SUCCESS: Mapping[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]
 _WHY = {
     400: "invalid request (the message names the field)",
     401: "missing or wrong API key (with --api-key)",
-    404: "unknown model",
+    404: "unknown model, or unknown or evicted stored response",
     408: "request headers or body not received in time",
     413: "request body over --max-request-body-bytes",
     500: "this request failed inside the engine (the message names the request id)",
@@ -73,10 +79,13 @@ def _errors(method: str, path: str, has_body: bool) -> list[int]:
         statuses += [400, 408, 413]
     if path.startswith("/v1/"):
         statuses.append(401)
-    if has_body or "{model_id}" in path:
-        statuses.append(404)  # every body names a model, and so does this path
+    if has_body or "{model_id}" in path or "{response_id}" in path:
+        statuses.append(404)  # every body names a model, and so do these paths
+    if path == "/v1/responses/{response_id}/cancel":
+        statuses.append(400)  # not a background response, or already finished
     if (method, path) in (("post", "/v1/chat/completions"), ("post", "/v1/completions"),
-                          ("post", "/invocations"), ("post", "/v1/messages")):
+                          ("post", "/invocations"), ("post", "/v1/responses"),
+                          ("post", "/v1/messages")):
         statuses.append(500)
     return sorted(statuses)
 
@@ -97,10 +106,12 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     extra_bodies, extra_answers = app.state.__dict__.get("openapi_models", ([], []))
     models: list[type[BaseModel]] = [ErrorResponse, ChatCompletionResponse, ChatCompletionChunk,
-                                     CompletionResponse, HealthResponse, *extra_answers]
+                                     CompletionResponse, HealthResponse, ResponseObject,
+                                     *extra_answers]
     # bodies the routes parse on a worker (server/api/request_body.py), not through FastAPI
     bodies: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                                     DetokenizeRequest, InvocationRequest, *extra_bodies]
+                                     DetokenizeRequest, InvocationRequest, ResponsesRequest,
+                                     *extra_bodies]
     _, defs = models_json_schema([(m, "validation") for m in bodies]
                                  + [(m, "serialization") for m in models], ref_template=_REF)
     components.update(defs.get("$defs", {}))
@@ -125,7 +136,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     ctx = getattr(app.state, "ctx", None)
     if ctx is not None:  # the one model served: any other name is a 404
         for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest",
-                     "DetokenizeRequest", *(m.__name__ for m in extra_bodies)):
+                     "DetokenizeRequest", "ResponsesRequest",
+                     *(m.__name__ for m in extra_bodies)):
             properties = components.get(name, {}).get("properties", {})
             if "model" in properties:
                 properties["model"]["anyOf"] = [{"const": ctx.model_name}, {"type": "null"}]

@@ -1,6 +1,7 @@
 """What every generation route does around its handler: who asked (the request's tag),
-cancelling the work when the client leaves, and sending the answer as JSON or SSE.
-Shared by the OpenAI routes (server/api/app.py) and the Anthropic ones."""
+cancelling the work when the client leaves, and turning the handler's result into a
+response (JSON, or SSE through ``guarded_sse``). Shared by app.py and the routers of
+server/api/responses/."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class JSONBytes(Response):
     media_type = "application/json"
 
 
-def request_tag(request: Request) -> RequestTag:
+def tag_of(request: Request) -> RequestTag:
     state = request.scope.get("state", {})
     return RequestTag(str(state.get("request_id")), str(state.get("client", "addr:unknown")),
                       trace_headers=trace_headers_of(request.headers))

@@ -21,7 +21,7 @@ from server.api.anthropic.serving import count_tokens, create_message
 from server.api.openapi import register_models
 from server.api.request_body import body_schema, parse_body
 from server.api.request_checks import check_messages
-from server.api.routing import request_tag, respond, until_disconnect
+from server.api.routing import respond, tag_of, until_disconnect
 from server.api.serving import ServingContext
 
 
@@ -36,7 +36,7 @@ def add_anthropic_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/messages", openapi_extra=_openapi(MessagesRequest, MessageResponse,
                                                      stream=True))
     async def messages(request: Request) -> Response:
-        tag = request_tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, MessagesRequest, ctx.workers, tag.client,
                                 few_messages)
         work = create_message(ctx, body, tag)
@@ -45,7 +45,7 @@ def add_anthropic_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/messages/count_tokens",
               openapi_extra=_openapi(CountTokensRequest, CountTokensResponse))
     async def messages_count_tokens(request: Request) -> Response:
-        tag = request_tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, CountTokensRequest, ctx.workers, tag.client,
                                 few_messages)
         return await count_tokens(ctx, body, tag)
