@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import server
 from server.api.admission import ClientSeqs
 from server.api.answer_json import dumps
+from server.api.anthropic import add_anthropic_routes
 from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
 from server.api.middleware import GuardMiddleware
@@ -108,6 +109,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
                        fair_share=cfg.fair_share,
                        max_request_id_length=cfg.max_request_id_length,
                        request_log=request_log)
+    add_anthropic_routes(app, ctx)  # after the guards: its error shape covers their answers
     app.state.health_stall_timeout = cfg.health_stall_timeout
     return app
 

@@ -37,13 +37,23 @@ PROTECTED = ("/v1", "/reset_prefix_cache", "/buckets", "/tokenize", "/detokenize
              "/sleep", "/wake_up", "/is_sleeping", "/reload_weights")
 
 
+def _key_matches(headers: dict[str, str], api_key: str) -> bool:
+    """OpenAI's clients send ``Authorization: Bearer KEY``, Anthropic's ``x-api-key: KEY``
+    (and ``anthropic-version``, which needs nothing): either header may carry the key."""
+    bearer = hmac.compare_digest(headers.get("authorization", "").encode(),
+                                 f"Bearer {api_key}".encode())
+    x_api_key = hmac.compare_digest(headers.get("x-api-key", "").encode(), api_key.encode())
+    return bearer or x_api_key
+
+
 def client_key(scope: Scope, headers: dict[str, str], fair_share: FairShare) -> str:
-    """Who sent the request, for fair admission and per-client limits: the bearer key's digest
+    """Who sent the request, for fair admission and per-client limits: the key's digest
     (never the key itself: it ends up in metrics and logs) or the peer's address."""
     if fair_share is FairShare.API_KEY:
-        bearer = headers.get("authorization", "")
-        if bearer:
-            return "key:" + hashlib.sha256(bearer.encode("latin-1")).hexdigest()[:16]
+        key = headers.get("authorization", "") or \
+            ("Bearer " + headers["x-api-key"] if headers.get("x-api-key") else "")
+        if key:
+            return "key:" + hashlib.sha256(key.encode("latin-1")).hexdigest()[:16]
     client = scope.get("client")
     return f"addr:{client[0]}" if client else "addr:unknown"
 
@@ -56,8 +66,8 @@ def route_path(scope: Scope) -> str:
 
 
 class GuardMiddleware:
-    """Checks the bearer key on /v1/*, caps body size, tags responses and logs with
-    X-Request-Id, names the client (``scope["state"]["client"]``) for fair admission and,
+    """Checks the API key (bearer or x-api-key) on /v1/*, caps body size, tags responses
+    and logs with X-Request-Id, names the client (``scope["state"]["client"]``) for fair admission and,
     given a ``request_log`` (``--enable-log-requests``), writes each request's line.
 
     Plain ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched.
@@ -114,9 +124,7 @@ class GuardMiddleware:
             return
         if self.api_key and route_path(scope).startswith(PROTECTED) and \
                 scope["method"] != "OPTIONS":
-            given = headers.get("authorization", "")
-            expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            if not _key_matches(headers, self.api_key):
                 await _reply(send_with_id, 401, "invalid or missing API key")
                 return
         declared = headers.get("content-length")

@@ -85,27 +85,42 @@ def _errors(method: str, path: str, has_body: bool) -> list[int]:
     if path == "/v1/responses/{response_id}/cancel":
         statuses.append(400)  # not a background response, or already finished
     if (method, path) in (("post", "/v1/chat/completions"), ("post", "/v1/completions"),
-                          ("post", "/invocations"), ("post", "/v1/responses")):
+                          ("post", "/invocations"), ("post", "/v1/responses"),
+                          ("post", "/v1/messages")):
         statuses.append(500)
     return sorted(statuses)
+
+
+def register_models(app: FastAPI, bodies: list[type[BaseModel]],
+                    answers: list[type[BaseModel]]) -> None:
+    """Adds the schemas of routes added elsewhere (a package of its own, such as the
+    Anthropic API) to the document's components: ``bodies`` their ``parse_body`` reads,
+    ``answers`` they send. Such a route may declare its own 200 content and, with
+    ``x-error-schema`` in its ``openapi_extra``, its error body's schema; both are kept."""
+    registered = app.state.__dict__.setdefault("openapi_models", ([], []))
+    registered[0].extend(bodies)
+    registered[1].extend(answers)
 
 
 def build_openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
+    extra_bodies, extra_answers = app.state.__dict__.get("openapi_models", ([], []))
     models: list[type[BaseModel]] = [ErrorResponse, ChatCompletionResponse, ChatCompletionChunk,
-                                     CompletionResponse, HealthResponse, ResponseObject]
+                                     CompletionResponse, HealthResponse, ResponseObject,
+                                     *extra_answers]
     # bodies the routes parse on a worker (server/api/request_body.py), not through FastAPI
     bodies: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                      DetokenizeRequest, InvocationRequest, ResponsesRequest,
-                                     *POOLING_BODIES]
+                                     *POOLING_BODIES, *extra_bodies]
     _, defs = models_json_schema([(m, "validation") for m in bodies]
                                  + [(m, "serialization") for m in models], ref_template=_REF)
     components.update(defs.get("$defs", {}))
-    error_content = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
     for path, item in schema["paths"].items():
         for method, operation in item.items():
             responses = operation["responses"]
+            error_ref = operation.pop("x-error-schema", _REF.format(model="ErrorResponse"))
+            error_content = {"application/json": {"schema": {"$ref": error_ref}}}
             responses.pop("422", None)
             success = _SUCCESS.get((method, path))
             if success is not None:
@@ -122,7 +137,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     ctx = getattr(app.state, "ctx", None)
     if ctx is not None:  # the one model served: any other name is a 404
         for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest",
-                     "DetokenizeRequest", "ResponsesRequest"):
+                     "DetokenizeRequest", "ResponsesRequest",
+                     *(m.__name__ for m in extra_bodies)):
             properties = components.get(name, {}).get("properties", {})
             if "model" in properties:
                 properties["model"]["anyOf"] = [{"const": ctx.model_name}, {"type": "null"}]

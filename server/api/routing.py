@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,6 +15,8 @@ from pydantic import BaseModel
 
 from server.api.serving import RequestTag, guarded_sse
 from server.api.tracing import trace_headers_of
+
+SSEGuard = Callable[[AsyncIterator[str]], AsyncIterator[str]]
 
 
 class JSONBytes(Response):
@@ -51,11 +53,13 @@ async def until_disconnect(request: Request, work: Awaitable[object]) -> object:
     return task.result()
 
 
-def respond(result: object) -> Response:
+def respond(result: object, guard: SSEGuard = guarded_sse) -> Response:
+    """A handler's result as the response: a stream of SSE events goes out through
+    ``guard``, which writes a failure after the first event in the API's own dialect."""
     if isinstance(result, Response):
         return result
     if isinstance(result, AsyncIterator):
-        return StreamingResponse(guarded_sse(result), media_type="text/event-stream",
+        return StreamingResponse(guard(result), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     assert isinstance(result, BaseModel), type(result)
     return JSONResponse(result.model_dump())

@@ -61,7 +61,8 @@ from server.engine.sampling_params import SamplingParams
 class ChatRun:
     """A chat request on its way through the engine: its outputs, and how to read them back
     as OpenAI's message parts (reasoning, content, tool calls). The Responses API
-    (server/api/responses/) serves its requests through the same run."""
+    (server/api/responses/) and Anthropic's Messages API (server/api/anthropic/) serve
+    their requests through the same run."""
 
     stream: AsyncIterator[RequestOutput]
     plan: ToolPlan
@@ -69,6 +70,25 @@ class ChatRun:
 
     def reader(self) -> ChoiceReader:
         return ChoiceReader(self.plan, self.reasoning)
+
+
+def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
+                       tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+    """The prompt text and token ids of ``req``'s messages (on a worker: long prompts).
+    ``tools``: what the template is handed (the plan's; every tool_choice shows them).
+    Anthropic's count_tokens counts exactly this."""
+    documents = sum(len(v.encode("utf-8")) for d in req.documents or [] for v in d.values())
+    refuse_oversized(ctx, content_bytes(req.messages) + documents, "messages",
+                     truncating=req.truncate_prompt_tokens is not None)
+    tok = ctx.engine.tokenizer
+    try:
+        messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        text = tok.apply_chat_template(messages, req.add_generation_prompt, tools,
+                                       _template_kwargs(req.chat_template_kwargs),
+                                       req.continue_final_message, req.documents)
+        return text, tok.encode(text, add_special_tokens=False)
+    except ValueError as exc:  # no template, unsupported content parts, template errors
+        raise APIError(400, str(exc), "messages") from None
 
 
 async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
@@ -90,25 +110,13 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                             "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
-    template_kwargs = _template_kwargs(req.chat_template_kwargs)
+    _template_kwargs(req.chat_template_kwargs)  # refused here, before the request queues
     vocab = ctx.engine.tokenizer.vocab_size
     params = build_sampling_params(req, max_tokens, logprobs, vocab,
                                    prompt_logprobs_of(ctx.limits, req, vocab))
-    tok = ctx.engine.tokenizer
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
-        documents = sum(len(v.encode("utf-8")) for d in req.documents or [] for v in d.values())
-        refuse_oversized(ctx, content_bytes(req.messages) + documents, "messages",
-                         truncating=req.truncate_prompt_tokens is not None)
-        try:
-            messages = template_messages([m.model_dump(exclude_none=True)
-                                          for m in req.messages])
-            text = tok.apply_chat_template(messages, req.add_generation_prompt, plan.tools,
-                                           template_kwargs, req.continue_final_message,
-                                           req.documents)
-            ids = tok.encode(text, add_special_tokens=False)
-        except ValueError as exc:  # no template, unsupported content parts, template errors
-            raise APIError(400, str(exc), "messages") from None
+        text, ids = render_chat_prompt(ctx, req, plan.tools)
         return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text))
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are

@@ -47,7 +47,7 @@ def plan_tools(req: ChatCompletionRequest, options: ChatOptions,
                parser: type[ToolParser] | None) -> ToolPlan:
     """The request's :class:`ToolPlan`; 400 naming ``tool_choice`` / ``tools`` for a choice
     that cannot be served."""
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    tools = template_tools(req)
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"  # OpenAI's default
@@ -129,6 +129,11 @@ def _hoist_defs(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
 
 def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=schema, field="tools")
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's tools as the chat template sees them (whatever the tool_choice)."""
+    return [t.model_dump(exclude_none=True) for t in req.tools or []]
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -156,7 +156,10 @@ def test_openapi_document_declares_what_the_server_answers(server) -> None:
             assert "422" not in responses, (method, path)
             if "requestBody" in operation:
                 ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
-                assert ref == "#/components/schemas/ErrorResponse"
+                # Anthropic's routes answer errors in Anthropic's shape
+                error = "AnthropicErrorResponse" if path.startswith("/v1/messages") \
+                    else "ErrorResponse"
+                assert ref == f"#/components/schemas/{error}", path
     chat = doc["paths"][CHAT]["post"]["responses"]["200"]["content"]
     assert set(chat) == {"application/json", "text/event-stream"}
     assert chat["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")

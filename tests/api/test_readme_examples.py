@@ -1,5 +1,6 @@
-"""The curl and OpenAI SDK examples of the README and of docs/serving.md, run verbatim against a
-live server: an example that stops working, or goes missing from its page, fails here."""
+"""The curl, OpenAI SDK and Anthropic SDK examples of the README and of docs/serving.md, run
+verbatim against a live server: an example that stops working, or goes missing from its page,
+fails here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # page -> how many curl and SDK examples it must hold (a vanished example fails too)
-PAGES = {"README.md": {"curl": 1, "sdk": 1}, "docs/serving.md": {"curl": 3, "sdk": 2}}
+PAGES = {"README.md": {"curl": 1, "sdk": 1, "anthropic": 0},
+         "docs/serving.md": {"curl": 4, "sdk": 2, "anthropic": 1}}
 EXAMPLE_URL = "http://localhost:8000"
 
 
@@ -30,14 +32,21 @@ def sdk_examples(page: str) -> list[str]:
     return blocks(page, "python", "OpenAI(")
 
 
+def anthropic_examples(page: str) -> list[str]:
+    return blocks(page, "python", "anthropic.Anthropic(")
+
+
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_each_page_holds_its_examples(page: str) -> None:
     assert len(curl_examples(page)) == PAGES[page]["curl"], page
     assert len(sdk_examples(page)) == PAGES[page]["sdk"], page
+    assert len(anthropic_examples(page)) == PAGES[page]["anthropic"], page
 
 
 CURL_CASES = [(page, i) for page, n in sorted(PAGES.items()) for i in range(n["curl"])]
 SDK_CASES = [(page, i) for page, n in sorted(PAGES.items()) for i in range(n["sdk"])]
+ANTHROPIC_CASES = [(page, i) for page, n in sorted(PAGES.items())
+                   for i in range(n["anthropic"])]
 
 
 @pytest.mark.parametrize(("page", "index"), CURL_CASES)
@@ -49,6 +58,9 @@ def test_curl_examples(server, page: str, index: int) -> None:
         events = [line[6:] for line in out.stdout.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["usage"]["completion_tokens"] > 0
+    elif "/v1/messages" in script:
+        body = json.loads(out.stdout)
+        assert body["type"] == "message" and body["content"], body
     else:
         body = json.loads(out.stdout)
         if body.get("object") == "response":  # /v1/responses
@@ -65,3 +77,12 @@ def test_openai_sdk_examples(server, page: str, index: int) -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
+
+
+@pytest.mark.parametrize(("page", "index"), ANTHROPIC_CASES)
+def test_anthropic_sdk_examples(server, page: str, index: int) -> None:
+    code = anthropic_examples(page)[index].replace(EXAMPLE_URL, server.base_url)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "input_tokens" in out.stdout  # it got to the streamed answer's usage
