@@ -21,7 +21,6 @@ from server.api.errors import APIError, install_error_handlers
 from server.api.middleware import GuardMiddleware
 from server.api.openapi import install_openapi
 from server.api.pooling.routes import add_pooling_routes
-from server.api.pooling.serving import refuse_generation
 from server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -133,7 +132,6 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
-        refuse_generation(ctx)
         tag = tag_of(request)
         body = await parse_body(request, ChatCompletionRequest, ctx.workers, tag.client,
                                 few_messages)
@@ -142,7 +140,6 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        refuse_generation(ctx)
         tag = tag_of(request)
         body = await parse_body(request, CompletionRequest, ctx.workers, tag.client)
         work = create_completion(ctx, body, tag)
@@ -152,7 +149,6 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def invocations(request: Request) -> Response:
         """SageMaker's entry point, as vLLM serves it: chat when the body has messages,
         else a completion."""
-        refuse_generation(ctx)
         tag = tag_of(request)
         body = (await parse_body(request, InvocationRequest, ctx.workers, tag.client,
                                  few_messages)).root

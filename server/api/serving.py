@@ -144,6 +144,15 @@ def check_model(ctx: ServingContext, name: str | None) -> None:
         raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
 
+def refuse_generation(ctx: ServingContext) -> None:
+    """A pooling server refuses text generation (chat, completions, and the Responses and
+    Messages APIs built on them) with a 400 naming ``--runner``."""
+    if ctx.engine.pooling is not None:
+        raise APIError(400, "this server runs a pooling model (--runner pooling): it serves "
+                            "/v1/embeddings, /pooling, /classify, /score and /rerank, not "
+                            "text generation", "model", "invalid_request_error")
+
+
 __all__ = ["LOGPROB_FLOOR", "json_logprob"]  # re-exported: their home is answer_json
 
 

@@ -42,6 +42,7 @@ from server.api.serving import (
     content_bytes,
     created_now,
     json_answer,
+    refuse_generation,
     refuse_oversized,
     request_tap,
     sse,
@@ -95,6 +96,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
                      ) -> ChatRun:
     """Checks ``req``, renders its prompt (on a worker) and queues it: 400s, 429s and 503s
     are raised here, before anything is answered."""
+    refuse_generation(ctx)
     check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:

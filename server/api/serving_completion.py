@@ -25,6 +25,7 @@ from server.api.serving import (
     created_now,
     json_answer,
     merge,
+    refuse_generation,
     refuse_oversized,
     request_tap,
     sse,
@@ -73,6 +74,7 @@ def _builder(ctx: ServingContext, prompt: str | list[int], field: str,
 async def create_completion(
     ctx: ServingContext, req: CompletionRequest, tag: RequestTag
 ) -> Response | AsyncIterator[str]:
+    refuse_generation(ctx)
     check_model(ctx, req.model)
     reject_unsupported(req, chat=False)
     if req.suffix:

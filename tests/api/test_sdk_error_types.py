@@ -26,6 +26,7 @@ class StubEngine:
 
     model_name = "m"
     max_model_len = 64
+    pooling = None  # a generative engine
 
     def __init__(self, failure: BaseException | None) -> None:
         self.failure = failure

@@ -55,14 +55,6 @@ def pooling_info(ctx: ServingContext) -> PoolingModelInfo:
     return info
 
 
-def refuse_generation(ctx: ServingContext) -> None:
-    """A pooling server refuses text generation with a 400 naming ``--runner``."""
-    if ctx.engine.pooling is not None:
-        raise APIError(400, "this server runs a pooling model (--runner pooling): it serves "
-                            "/v1/embeddings, /pooling, /classify, /score and /rerank, not "
-                            "text generation", "model", "invalid_request_error")
-
-
 def _inputs(value: object, field: str) -> list[str | list[int]]:
     if isinstance(value, str):
         items: list[str | list[int]] = [value]

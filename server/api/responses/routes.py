@@ -8,7 +8,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from server.api.pooling.serving import refuse_generation
 from server.api.request_body import body_schema, parse_body
 from server.api.request_checks import check_messages
 from server.api.responses.protocol import ResponsesRequest
@@ -29,7 +28,6 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext,
 
     @app.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def create_response(request: Request) -> Response:
-        refuse_generation(ctx)
         tag = tag_of(request)
         body = await parse_body(request, ResponsesRequest, ctx.workers, tag.client, few_items)
         work = service.create(body, tag)
