@@ -74,7 +74,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
                          ClientSeqs(cfg.max_client_seqs, cfg.fair_share is not FairShare.OFF,
                                     metrics.registry),
                          tracer or RequestTracer.from_config(cfg.tracing, engine.model_name),
-                         cfg.enable_prompt_tokens_details)
+                         cfg.enable_prompt_tokens_details, engine.sampling_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

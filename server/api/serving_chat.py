@@ -58,7 +58,8 @@ async def create_chat_completion(
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    requested_max = req.max_completion_tokens or req.max_tokens
+    max_tokens = ctx.sampling_defaults.max_tokens_for(requested_max)
     check_messages(ctx.limits, len(req.messages))
     check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=1,
                  max_tokens=max_tokens, logprobs=logprobs, logprobs_field="top_logprobs",
@@ -69,7 +70,8 @@ async def create_chat_completion(
                             "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
     template_kwargs = _template_kwargs(req.chat_template_kwargs)
-    params = build_sampling_params(req, max_tokens, logprobs, ctx.engine.tokenizer.vocab_size)
+    params = build_sampling_params(req, requested_max, logprobs,
+                                   ctx.engine.tokenizer.vocab_size, ctx.sampling_defaults)
     tok = ctx.engine.tokenizer
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts

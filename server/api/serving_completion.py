@@ -82,10 +82,11 @@ async def create_completion(
                        "unsupported_parameter")
     prompts = _prompts(req.prompt)
     check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=len(prompts),
-                 max_tokens=req.max_tokens, max_tokens_field="max_tokens",
+                 max_tokens=ctx.sampling_defaults.max_tokens_for(req.max_tokens),
+                 max_tokens_field="max_tokens",
                  logprobs=req.logprobs, logprobs_field="logprobs")
     params = build_sampling_params(req, req.max_tokens, req.logprobs,
-                                   ctx.engine.tokenizer.vocab_size)
+                                   ctx.engine.tokenizer.vocab_size, ctx.sampling_defaults)
     streams = []
     try:
         for i, prompt in enumerate(prompts):

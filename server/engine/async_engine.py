@@ -35,6 +35,7 @@ from server.engine.inputs import Offload, PromptBuilder, PromptInput
 from server.engine.llm_engine import LLMEngine
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.request_state import RequestState
+from server.engine.sampling_defaults import SamplingDefaults
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
 from server.engine.stats_log import StatsLog
@@ -177,6 +178,10 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self.engine.sampling_defaults
 
     @property
     def metrics_registry(self) -> CollectorRegistry:
