@@ -18,6 +18,7 @@ from server.api.admission import ClientSeqs
 from server.api.answer_json import dumps
 from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
+from server.api.load import install_load_tracking
 from server.api.middleware import GuardMiddleware
 from server.api.openapi import install_openapi
 from server.api.protocol import (
@@ -97,6 +98,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
     _add_routes(app, ctx)
     add_sleep_routes(app, engine)
     install_openapi(app)
+    install_load_tracking(app, cfg.enable_server_load_tracking)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(cfg.allowed_origins),
         allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
