@@ -32,6 +32,7 @@ from server.hpu.platform import Platform, detect_platform
 from server.models.errors import ModelFileError
 from server.models.generation_config import generation_defaults
 from server.models.gguf import open_gguf
+from server.models.hub import with_local_model
 from server.models.loader import (
     ModelSource,
     load_model,
@@ -58,6 +59,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, on_fault: FaultListener | None = None) -> None:
         torch.manual_seed(config.model.seed)
+        config = with_local_model(config)  # a Hub id: its cached copy, for every rank
         platform = detect_platform(config.device.device)
         platform.prepare_process()
         # --tensor-parallel-size: the other ranks start first and load alongside this one
