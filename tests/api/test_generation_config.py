@@ -111,3 +111,16 @@ def test_vllm_ignores_the_models_generation_config(model_dir) -> None:
     finally:
         srv.stop()
     assert "Default sampling parameters have been overridden" not in srv.log()
+
+
+@pytest.mark.slow
+def test_the_offline_llm_uses_them_when_given_no_params(model_dir) -> None:
+    from server import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", block_size=16, max_model_len=64, max_num_seqs=2,
+              override_generation_config='{"top_k": 3}')
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 3, 4)
+    out = llm.generate(["the cat"])[0].outputs[0]
+    greedy = llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.token_ids) <= 4 and out.token_ids == greedy.outputs[0].token_ids
