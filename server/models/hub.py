@@ -48,7 +48,8 @@ def is_local(model: str) -> bool:
 def hub_id_of(model: str) -> tuple[str, str | None] | None:
     """(repository id, GGUF quantization or None) when ``model`` reads as a Hub id."""
     match = _HUB_ID.match(model)
-    if match is None or model.endswith(".gguf"):
+    # a path spelled as one (./x, ~/x, /x, x.gguf) is never an id, even when nothing is there
+    if match is None or model.endswith(".gguf") or model.startswith((".", "~", "/")):
         return None
     quant = match.group("quant")
     return (model[: -len(quant) - 1] if quant else model), quant

@@ -50,7 +50,7 @@ def test_hub_ids_and_local_paths() -> None:
     assert hub_id_of("org/name-GGUF:Q4_K_M") == ("org/name-GGUF", "Q4_K_M")
     assert hub_id_of("gpt2") == ("gpt2", None)
     assert hub_id_of("/models/x") is None and hub_id_of("a/b/c") is None
-    assert hub_id_of("org/model.gguf") is None
+    assert hub_id_of("org/model.gguf") is None and hub_id_of("./model") is None
 
 
 def test_offline_a_cached_revision_resolves_to_its_snapshot(cache) -> None:
