@@ -23,16 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, flags: list[str], timeout_s: float = 300.0
-                 ) -> tuple[subprocess.Popen, str, Path]:
+def start_server(model: str | None, flags: list[str], timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, Path]:
     """(process, base URL, log file) once the server answers /health; raises with the log if
-    it exits first or is not healthy within ``timeout_s``."""
+    it exits first or is not healthy within ``timeout_s``. ``env``: the server's whole
+    environment (None: this process's)."""
     port = free_port()
     log = Path(tempfile.mkdtemp()) / "server.log"
     cmd = [sys.executable, "-m", "server", "serve", *([model] if model else []),
            "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

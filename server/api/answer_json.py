@@ -82,14 +82,24 @@ class LogprobFormatter:
                                  top_logprobs=[entry(t, lp) for t, lp in e.top])
                             for e in entries]}
 
-    def completion_dict(self, entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
-        """A completion choice's ``logprobs``; ``offset``: characters of text before it."""
+    def completion_dict(self, entries: Sequence[TokenLogprob | None], offset: int,
+                        token_ids: Sequence[int] = ()) -> dict[str, Any]:
+        """A completion choice's ``logprobs``; ``offset``: characters of text before it.
+        An echoed prompt's first token has no logprob (None): ``token_ids`` names it."""
         token_str = self.token_str
         tokens: list[str] = []
-        token_logprobs: list[float] = []
-        top_logprobs: list[dict[str, float]] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
         text_offset: list[int] = []
-        for e in entries:
+        for i, e in enumerate(entries):
+            if e is None:
+                text = token_str(token_ids[i])
+                tokens.append(text)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                text_offset.append(offset)
+                offset += len(text)
+                continue
             text = token_str(e.token_id)
             tokens.append(text)
             token_logprobs.append(json_logprob(e.logprob))
@@ -102,6 +112,26 @@ class LogprobFormatter:
             offset += len(text)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs,
                 "tokens": tokens, "top_logprobs": top_logprobs}
+
+
+    def prompt_logprobs(self, entries: Sequence[TokenLogprob | None]
+                        ) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token {token id: {logprob, rank,
+        decoded_token}}, the prompt's own token first, then the top k (ranks 1..k)."""
+        token_str = self.token_str
+        out: list[dict[str, Any] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            scored = {str(e.token_id): {"logprob": json_logprob(e.logprob), "rank": e.rank,
+                                        "decoded_token": token_str(e.token_id)}}
+            for rank, (token_id, logprob) in enumerate(e.top, start=1):
+                scored.setdefault(str(token_id), {"logprob": json_logprob(logprob),
+                                                  "rank": rank,
+                                                  "decoded_token": token_str(token_id)})
+            out.append(scored)
+        return out
 
 
 def answer_bytes(skeleton: BaseModel, logprobs: Sequence[str | dict[str, Any] | None]) -> bytes:

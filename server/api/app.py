@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
 
 import server
 from server.api.admission import ClientSeqs
@@ -36,20 +35,20 @@ from server.api.protocol import (
 from server.api.request_body import body_schema, parse_body
 from server.api.request_checks import check_messages
 from server.api.request_log import LoggedEngine, RequestLog
+from server.api.responses import add_responses_routes
+from server.api.routing import JSONBytes, respond, tag_of, until_disconnect
 from server.api.serving import (
     EngineClient,
-    RequestTag,
     ServingContext,
     check_model,
     content_bytes,
-    guarded_sse,
     refuse_oversized,
 )
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
 from server.api.sleep_routes import add_sleep_routes
 from server.api.tools import template_messages
-from server.api.tracing import RequestTracer, trace_headers_of
+from server.api.tracing import RequestTracer
 from server.api.workers import PreprocessPool
 from server.config import FairShare, ServerConfig
 from server.metrics import ServerMetrics
@@ -97,6 +96,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
     install_error_handlers(app)
     _add_routes(app, ctx)
     add_sleep_routes(app, engine)
+    add_responses_routes(app, ctx, cfg.responses)
     install_openapi(app)
     install_load_tracking(app, cfg.enable_server_load_tracking)
     app.add_middleware(
@@ -122,50 +122,6 @@ async def _probe_lag(metrics: ServerMetrics) -> None:
         metrics.observe_loop_lag(max(0.0, loop.time() - start - LAG_PROBE_INTERVAL_S))
 
 
-class JSONBytes(Response):
-    """A JSON body already serialized (on a worker)."""
-
-    media_type = "application/json"
-
-
-def _tag(request: Request) -> RequestTag:
-    state = request.scope.get("state", {})
-    return RequestTag(str(state.get("request_id")), str(state.get("client", "addr:unknown")),
-                      trace_headers=trace_headers_of(request.headers))
-
-
-async def _until_disconnect(request: Request, work: Awaitable[object]) -> object:
-    """Runs a handler but cancels it if the client goes away first: the cancelled iteration
-    aborts the engine request, so an abandoned non-streaming request stops using KV blocks."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return Response(status_code=499)  # nobody is listening any more
-    return task.result()
-
-
-def _respond(result: object) -> Response:
-    if isinstance(result, Response):
-        return result
-    if isinstance(result, AsyncIterator):
-        return StreamingResponse(guarded_sse(result), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    assert isinstance(result, BaseModel), type(result)
-    return JSONResponse(result.model_dump())
-
-
 def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     def few_messages(data: Any) -> None:  # before validating 300,000 of them
         if isinstance(data, dict) and isinstance(data.get("messages"), list):
@@ -173,29 +129,29 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
-        tag = _tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, ChatCompletionRequest, ctx.workers, tag.client,
                                 few_messages)
         work = create_chat_completion(ctx, body, tag)
-        return _respond(await _until_disconnect(request, work))
+        return respond(await until_disconnect(request, work))
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        tag = _tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, CompletionRequest, ctx.workers, tag.client)
         work = create_completion(ctx, body, tag)
-        return _respond(await _until_disconnect(request, work))
+        return respond(await until_disconnect(request, work))
 
     @app.post("/invocations", openapi_extra=body_schema(InvocationRequest))
     async def invocations(request: Request) -> Response:
         """SageMaker's entry point, as vLLM serves it: chat when the body has messages,
         else a completion."""
-        tag = _tag(request)
+        tag = tag_of(request)
         body = (await parse_body(request, InvocationRequest, ctx.workers, tag.client,
                                  few_messages)).root
         work = (create_chat_completion(ctx, body, tag)
                 if isinstance(body, ChatCompletionRequest) else create_completion(ctx, body, tag))
-        return _respond(await _until_disconnect(request, work))
+        return respond(await until_disconnect(request, work))
 
     def card() -> ModelCard:
         return ModelCard(id=ctx.model_name, root=ctx.model_name,
@@ -247,7 +203,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest),
               response_model=TokenizeResponse)
     async def tokenize(request: Request) -> Response:
-        tag = _tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, TokenizeRequest, ctx.workers, tag.client,
                                 few_messages)
         check_model(ctx, body.model)
@@ -276,7 +232,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest),
               response_model=DetokenizeResponse)
     async def detokenize(request: Request) -> Response:
-        tag = _tag(request)
+        tag = tag_of(request)
         body = await parse_body(request, DetokenizeRequest, ctx.workers, tag.client)
         check_model(ctx, body.model)
         tok = ctx.engine.tokenizer

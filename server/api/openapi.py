@@ -29,6 +29,7 @@ from server.api.protocol import (
     InvocationRequest,
     TokenizeRequest,
 )
+from server.api.responses.protocol import ResponseObject, ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 
@@ -51,6 +52,11 @@ def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
 _SUCCESS: Mapping[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]] = {
     ("post", "/v1/chat/completions"): (ChatCompletionResponse, _sse(ChatCompletionChunk)),
     ("post", "/v1/completions"): (CompletionResponse, _sse(CompletionResponse)),
+    # a Responses stream's events are typed by their "event:" line (no JSON schema here)
+    ("post", "/v1/responses"): (ResponseObject, {"text/event-stream": {"schema": {
+        "type": "object"}}}),
+    ("get", "/v1/responses/{response_id}"): (ResponseObject, {}),
+    ("post", "/v1/responses/{response_id}/cancel"): (ResponseObject, {}),
     ("get", "/health"): (HealthResponse, {}),
     ("get", "/ping"): (HealthResponse, {}),
     ("post", "/ping"): (HealthResponse, {}),
@@ -59,7 +65,7 @@ _SUCCESS: Mapping[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]
 _WHY = {
     400: "invalid request (the message names the field)",
     401: "missing or wrong API key (with --api-key)",
-    404: "unknown model",
+    404: "unknown model, or unknown or evicted stored response",
     408: "request headers or body not received in time",
     413: "request body over --max-request-body-bytes",
     500: "this request failed inside the engine (the message names the request id)",
@@ -73,10 +79,12 @@ def _errors(method: str, path: str, has_body: bool) -> list[int]:
         statuses += [400, 408, 413]
     if path.startswith("/v1/"):
         statuses.append(401)
-    if has_body or "{model_id}" in path:
-        statuses.append(404)  # every body names a model, and so does this path
+    if has_body or "{model_id}" in path or "{response_id}" in path:
+        statuses.append(404)  # every body names a model, and so do these paths
+    if path == "/v1/responses/{response_id}/cancel":
+        statuses.append(400)  # not a background response, or already finished
     if (method, path) in (("post", "/v1/chat/completions"), ("post", "/v1/completions"),
-                          ("post", "/invocations")):
+                          ("post", "/invocations"), ("post", "/v1/responses")):
         statuses.append(500)
     return sorted(statuses)
 
@@ -85,10 +93,10 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     models: list[type[BaseModel]] = [ErrorResponse, ChatCompletionResponse, ChatCompletionChunk,
-                                     CompletionResponse, HealthResponse]
+                                     CompletionResponse, HealthResponse, ResponseObject]
     # bodies the routes parse on a worker (server/api/request_body.py), not through FastAPI
     bodies: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                                     DetokenizeRequest, InvocationRequest]
+                                     DetokenizeRequest, InvocationRequest, ResponsesRequest]
     _, defs = models_json_schema([(m, "validation") for m in bodies]
                                  + [(m, "serialization") for m in models], ref_template=_REF)
     components.update(defs.get("$defs", {}))
@@ -112,7 +120,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     ctx = getattr(app.state, "ctx", None)
     if ctx is not None:  # the one model served: any other name is a 404
         for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest",
-                     "DetokenizeRequest"):
+                     "DetokenizeRequest", "ResponsesRequest"):
             properties = components.get(name, {}).get("properties", {})
             if "model" in properties:
                 properties["model"]["anyOf"] = [{"const": ctx.model_name}, {"type": "null"}]

@@ -188,6 +188,12 @@ class SamplingFields(RequestModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     # vLLM's: requests share cached KV blocks only with requests of the same salt
     cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
+    # vLLM's: each prompt token's logprob and the top k (-1: the whole vocabulary), not
+    # with stream (request_checks.py); bounded by --max-logprobs
+    prompt_logprobs: StrictInt | None = None
+    # vLLM's: words never to generate
+    bad_words: list[Annotated[Text, Field(min_length=1, max_length=4096)]] | None = Field(
+        None, max_length=1024)
 
     @field_validator("stream_options")
     @classmethod
@@ -214,12 +220,17 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     # extra variables for the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the answer starts with the last message's content when that message has the
+    # answer's role (continue_final_message)
+    echo: bool = False
 
 
 class CompletionRequest(SamplingFields):
     # strict: JSON true / false are not token ids 1 / 0
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]] | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
+    # 0 only with echo: the prompt back, nothing generated (vLLM's reading)
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: Text | None = None
 
@@ -318,6 +329,9 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: str
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+    # vLLM's: with prompt_logprobs, per prompt token {token id: {logprob, rank,
+    # decoded_token}} (None for the first); null otherwise, as vLLM answers
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -369,6 +383,8 @@ class CompletionChoice(BaseModel):
     # with return_token_ids (streamed: the prompt's in a choice's first chunk only)
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    # vLLM's (not streamed): as on a chat response
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -27,12 +27,13 @@ def _only(*harmless: Any) -> Callable[[Any, SamplingFields], bool]:
 
 # field -> whether the value changes nothing (then it is accepted and ignored)
 _UNSUPPORTED_ANY: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
-    "prompt_logprobs": _unset,
     "guided_whitespace_pattern": _unset,
     "logits_processors": _unset,
     "use_beam_search": _unset,
-    "bad_words": _unset,
     "prompt_embeds": _unset,
+    # forcing the end of thinking needs the parser's end-of-thinking token; the reasoning
+    # parsers here match text markers. -1 is vLLM's "unlimited" (unset).
+    "thinking_token_budget": lambda value, _: value is None or value == -1,
 }
 _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     **_UNSUPPORTED_ANY,
@@ -48,7 +49,6 @@ _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     # a template from the request runs on the server: refused, as vLLM does unless
     # --trust-request-chat-template
     "chat_template": _unset,
-    "echo": _unset,
     "add_special_tokens": _unset,
 }
 _UNSUPPORTED_COMPLETION: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
@@ -104,6 +104,30 @@ def check_limits(limits: RequestLimits, req: SamplingFields, *, max_model_len: i
                  f"{max_tokens_field}={per_completion}{unset}), more than "
                  f"--max-tokens-per-request {limits.max_tokens_per_request}; lower n or "
                  f"{max_tokens_field}", max_tokens_field if max_tokens is not None else "n")
+
+
+def prompt_logprobs_of(limits: RequestLimits, req: SamplingFields, vocab_size: int,
+                       implied: int | None = None) -> int | None:
+    """The engine's ``prompt_logprobs`` for the request (``implied``: what echo with
+    logprobs asks for when the field is unset), with vLLM's checks and words; -1 means the
+    whole vocabulary, which --max-logprobs must then allow."""
+    value = req.prompt_logprobs
+    if value is not None:
+        if req.stream and (value > 0 or value == -1):
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.",
+                           "prompt_logprobs")
+        if value < -1:
+            raise APIError(400, "`prompt_logprobs` must be a positive value or -1.",
+                           "prompt_logprobs")
+    else:
+        value = implied
+    if value is None:
+        return None
+    k = vocab_size if value == -1 else value
+    if k > limits.max_logprobs:
+        raise APIError(400, f"prompt_logprobs: at most {limits.max_logprobs} logprobs per "
+                            f"token (--max-logprobs), got {value}", "prompt_logprobs")
+    return k
 
 
 def check_messages(limits: RequestLimits, count: int) -> None:

@@ -35,7 +35,8 @@ LOGGED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 # Sampling parameters named on every line (the rest only where not at their default).
 ALWAYS = {"n", "max_tokens", "temperature", "top_p"}
 # Parameters that hold user text or long lists: counted unless --log-prompts.
-BULKY = {"stop", "stop_token_ids", "logit_bias", "structured_outputs"}
+BULKY = {"stop", "stop_token_ids", "logit_bias", "structured_outputs", "bad_words",
+         "bad_words_token_ids"}
 
 
 @dataclass
@@ -123,7 +124,7 @@ class RequestLog:
         data = params.model_dump(exclude=BULKY)
         shown = {k: v for k, v in data.items()
                  if k in ALWAYS or v != SamplingParams.model_fields[k].default}
-        for name in ("stop", "stop_token_ids", "logit_bias"):
+        for name in ("stop", "stop_token_ids", "logit_bias", "bad_words"):
             value = getattr(params, name)
             if value:
                 shown[name] = value if self.with_text else len(value)

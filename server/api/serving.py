@@ -192,7 +192,7 @@ def system_fingerprint(model_name: str) -> str:
 
 def build_sampling_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int,
-    defaults: SamplingDefaults,
+    prompt_logprobs: int | None = None, *, defaults: SamplingDefaults,
 ) -> SamplingParams:
     """OpenAI/vLLM request fields -> engine params; bad values surface as pydantic errors
     naming the field (answered with 400). ``defaults`` (``ctx.sampling_defaults``, from
@@ -222,7 +222,8 @@ def build_sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, priority=req.priority,
         cache_salt=req.cache_salt, truncate_prompt_tokens=req.truncate_prompt_tokens,
-        allowed_token_ids=req.allowed_token_ids,
+        allowed_token_ids=req.allowed_token_ids, prompt_logprobs=prompt_logprobs,
+        bad_words=req.bad_words or [],
     )
     optional = dict(temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=top_k,
                     min_p=sampling["min_p"], repetition_penalty=sampling["repetition_penalty"],

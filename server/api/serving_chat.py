@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -24,7 +25,13 @@ from server.api.protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
-from server.api.request_checks import check_limits, check_messages, reject_unsupported
+from server.api.reasoning_parsers import ReasoningParser
+from server.api.request_checks import (
+    check_limits,
+    check_messages,
+    prompt_logprobs_of,
+    reject_unsupported,
+)
 from server.api.serving import (
     RequestTag,
     ServingContext,
@@ -50,9 +57,24 @@ from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 
 
-async def create_chat_completion(
-    ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
-) -> Response | AsyncIterator[str]:
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request on its way through the engine: its outputs, and how to read them back
+    as OpenAI's message parts (reasoning, content, tool calls). The Responses API
+    (server/api/responses/) serves its requests through the same run."""
+
+    stream: AsyncIterator[RequestOutput]
+    plan: ToolPlan
+    reasoning: type[ReasoningParser] | None
+
+    def reader(self) -> ChoiceReader:
+        return ChoiceReader(self.plan, self.reasoning)
+
+
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
+                     ) -> ChatRun:
+    """Checks ``req``, renders its prompt (on a worker) and queues it: 400s, 429s and 503s
+    are raised here, before anything is answered."""
     check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
@@ -70,8 +92,10 @@ async def create_chat_completion(
                             "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
     template_kwargs = _template_kwargs(req.chat_template_kwargs)
-    params = build_sampling_params(req, requested_max, logprobs,
-                                   ctx.engine.tokenizer.vocab_size, ctx.sampling_defaults)
+    vocab = ctx.engine.tokenizer.vocab_size
+    params = build_sampling_params(req, requested_max, logprobs, vocab,
+                                   prompt_logprobs_of(ctx.limits, req, vocab),
+                                   defaults=ctx.sampling_defaults)
     tok = ctx.engine.tokenizer
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
@@ -91,13 +115,18 @@ async def create_chat_completion(
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
     stream = tapped(await submit(ctx, tag, build, params.n), request_tap(ctx, params, tag))
+    return ChatRun(stream, plan, ctx.reasoning_parser)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
+) -> Response | AsyncIterator[str]:
+    run = await start_chat(ctx, req, tag)
+    stream, plan, reader = run.stream, run.plan, run.reader
     response_id = f"chatcmpl-{tag.request_id}"
-
-    def reader() -> ChoiceReader:
-        return ChoiceReader(plan, ctx.reasoning_parser)
-
+    echoed = _echo_text(req)
     if req.stream:
-        return _stream(ctx, stream, response_id, req, reader)
+        return _stream(ctx, stream, response_id, req, reader, echoed)
     final = await accumulate(stream)
 
     def build() -> bytes:  # on a worker: logprobs of n=128 x 512 tokens are 1.3M entries
@@ -105,14 +134,17 @@ async def create_chat_completion(
         for c in final.outputs:
             read = reader()
             parts = read.whole(c.text)
+            # a forced call's message has content "" (as vLLM answers); a parsed call's or
+            # a reasoning-only answer's has none
+            content = parts.content or (
+                "" if plan.forced and parts.tool_calls
+                else None if parts.tool_calls or parts.reasoning else "")
+            if echoed is not None:
+                content = echoed + (content or "")
             choices.append(ChatChoice(
                 index=c.index,
                 message=AssistantMessage(
-                    # a forced call's message has content "" (as vLLM answers); a parsed
-                    # call's or a reasoning-only answer's has none
-                    content=parts.content or (
-                        "" if plan.forced and parts.tool_calls
-                        else None if parts.tool_calls or parts.reasoning else ""),
+                    content=content,
                     reasoning=parts.reasoning or None,
                     reasoning_content=parts.reasoning or None,
                     tool_calls=[ToolCallOut(id=t.id, function=FunctionCallOut(
@@ -127,6 +159,8 @@ async def create_chat_completion(
                         cached_tokens(ctx, final)),
             system_fingerprint=system_fingerprint(ctx.model_name),
             prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None,
+            prompt_logprobs=None if final.prompt_logprobs is None
+            else ctx.logprob_format(req).prompt_logprobs(final.prompt_logprobs),
         )
         return answer_bytes(skeleton, [None if c.logprobs is None
                                        else ctx.logprob_format(req).chat_json(c.logprobs)
@@ -174,13 +208,28 @@ def _with_tool_constraint(ctx: ServingContext, params: SamplingParams, plan: Too
     return params.model_copy(update=update) if update else params
 
 
+def _echo_text(req: ChatCompletionRequest) -> str | None:
+    """vLLM's chat ``echo``: the last message's content opens the answer when that message
+    has the answer's role (``assistant``, or the last role without a generation prompt);
+    None without echo."""
+    if not req.echo:
+        return None
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if last.role != role or not last.content:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content)
+
+
 def _finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:
     return "tool_calls" if reason == "stop" and reader.called else reason
 
 
 async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], response_id: str,
-                  req: ChatCompletionRequest, reader: Callable[[], ChoiceReader]
-                  ) -> AsyncIterator[str]:
+                  req: ChatCompletionRequest, reader: Callable[[], ChoiceReader],
+                  echoed: str | None) -> AsyncIterator[str]:
     """The request's SSE chunks. vLLM's extras: with ``continuous_usage_stats`` every chunk
     carries the usage so far; with ``return_token_ids`` the first chunk carries the prompt's
     token ids and each choice its new ones."""
@@ -221,6 +270,10 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
                       if token_ids and first is not None and i == 0 else {})
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
                     **usage_so_far(first, generated=0), **prompt_ids)
+    if echoed:  # vLLM's echo: the last message's content, before anything generated
+        for i in range(n):
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echoed))],
+                        **usage_so_far(first, generated=0))
     readers = [reader() for _ in range(n)]
     final: RequestOutput | None = None
     ended: set[int] = set()

@@ -8,14 +8,14 @@ from typing import Any
 
 from starlette.responses import Response
 
-from server.api.answer_json import answer_bytes
+from server.api.answer_json import LogprobFormatter, answer_bytes
 from server.api.errors import APIError
 from server.api.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
 )
-from server.api.request_checks import check_limits, reject_unsupported
+from server.api.request_checks import check_limits, prompt_logprobs_of, reject_unsupported
 from server.api.serving import (
     RequestTag,
     ServingContext,
@@ -35,7 +35,7 @@ from server.api.serving import (
     usage,
 )
 from server.engine.inputs import PromptBuilder, PromptInput
-from server.engine.outputs import RequestOutput
+from server.engine.outputs import CompletionOutput, RequestOutput
 from server.engine.sampling_params import SamplingParams
 
 # vLLM's words (its clients match them); prompt_embeds is refused when given, see
@@ -77,16 +77,22 @@ async def create_completion(
     reject_unsupported(req, chat=False)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo",
-                       "unsupported_parameter")
+    echo_only = req.echo and req.max_tokens == 0
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt "
+                            "back, nothing generated)", "max_tokens")
     prompts = _prompts(req.prompt)
     check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=len(prompts),
                  max_tokens=ctx.sampling_defaults.max_tokens_for(req.max_tokens),
                  max_tokens_field="max_tokens",
                  logprobs=req.logprobs, logprobs_field="logprobs")
-    params = build_sampling_params(req, req.max_tokens, req.logprobs,
-                                   ctx.engine.tokenizer.vocab_size, ctx.sampling_defaults)
+    vocab = ctx.engine.tokenizer.vocab_size
+    # echo with logprobs: the echoed prompt's tokens carry theirs (vLLM's, OpenAI's)
+    prompt_logprobs = prompt_logprobs_of(ctx.limits, req, vocab,
+                                         implied=req.logprobs if req.echo else None)
+    # echo with max_tokens 0 generates one token that is never shown, as vLLM does
+    params = build_sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
+                                   vocab, prompt_logprobs, defaults=ctx.sampling_defaults)
     streams = []
     try:
         for i, prompt in enumerate(prompts):
@@ -112,19 +118,23 @@ async def create_completion(
     def build() -> bytes:  # on a worker: many prompts x n x logprobs add up
         choices = []
         logprobs: list[dict[str, Any] | None] = []
+        formatter = ctx.logprob_format(req)
         for i in range(len(prompts)):
             out = finals[i]
             prefix = _echo_text(ctx, prompts[i], out) if req.echo else ""
+            scored = (None if out.prompt_logprobs is None
+                      else formatter.prompt_logprobs(out.prompt_logprobs))
             for c in out.outputs:
                 choices.append(CompletionChoice(
-                    index=i * req.n + c.index, text=prefix + c.text,
+                    index=i * req.n + c.index, text=prefix + ("" if echo_only else c.text),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids
                     else None,
                     token_ids=list(c.token_ids) if req.return_token_ids else None,
+                    prompt_logprobs=scored,
                 ))
-                logprobs.append(None if c.logprobs is None
-                                else ctx.logprob_format(req).completion_dict(c.logprobs, 0))
+                logprobs.append(_logprobs(formatter, req, out, c, 0, echo=req.echo,
+                                          echo_only=echo_only))
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
         generated = sum(o.num_generated_tokens for o in finals.values())
         skeleton = CompletionResponse(
@@ -143,6 +153,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)
     created = created_now()
+    echo_only = req.echo and req.max_tokens == 0
     choice_tokens: dict[int, int] = {}
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
@@ -169,8 +180,9 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
             index = i * req.n + c.index
             if index in ended:
                 continue  # it stays finished in later outputs of an n > 1 request
-            text = c.text
-            if req.echo and index not in echoed:
+            text = "" if echo_only else c.text
+            echo_now = req.echo and index not in echoed
+            if echo_now:
                 echoed.add(index)
                 text = _echo_text(ctx, prompts[i], out) + text
             if not (text or c.finish_reason or c.logprobs):
@@ -178,7 +190,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
             if c.finish_reason:
                 ended.add(index)
             offset = offsets.get(index, 0)
-            offsets[index] = offset + len(c.text)
+            offsets[index] = offset + len(text)
             first_chunk = index not in choice_tokens
             choice_tokens[index] = choice_tokens.get(index, 0) + len(c.token_ids)
             choices.append(CompletionChoice(
@@ -188,8 +200,8 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
                 if req.return_token_ids and first_chunk else None,
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
-            logprobs.append(ctx.logprob_format(req).completion_dict(c.logprobs, offset)
-                            if c.logprobs else None)
+            logprobs.append(_logprobs(ctx.logprob_format(req), req, out, c, offset,
+                                      echo=echo_now, echo_only=echo_only))
         # one choice per chunk, as vLLM streams n > 1 (clients index chunk.choices[0])
         for choice, choice_logprobs in zip(choices, logprobs):
             # continuous usage: the prompt's tokens and this choice's tokens so far, as vLLM
@@ -200,6 +212,21 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
         yield chunk([], usage=usage(sum(prompt_tokens.values()), sum(generated.values()),
                                     cached_tokens(ctx, *lasts.values())))
     yield sse("[DONE]")
+
+
+def _logprobs(formatter: LogprobFormatter, req: CompletionRequest, out: RequestOutput,
+              c: CompletionOutput, offset: int, echo: bool, echo_only: bool
+              ) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` (None when not asked): with ``echo`` the prompt's tokens
+    first (the first has no logprob), then the completion's unless only echoed."""
+    if req.logprobs is None:
+        return None
+    completion = [] if echo_only else (c.logprobs or [])
+    if not echo:
+        return formatter.completion_dict(completion, offset) if completion else None
+    prompt = out.prompt_logprobs or []
+    return formatter.completion_dict([*prompt, *completion], offset,
+                                     [*out.prompt_token_ids, *c.token_ids])
 
 
 def _echo_text(ctx: ServingContext, prompt: str | list[int], out: RequestOutput) -> str:

@@ -26,6 +26,7 @@ from server.config.engine import (
 )
 from server.config.logging import LogFormat, LoggingConfig
 from server.config.model import CacheConfig, GiB, ModelOptions
+from server.config.responses import ResponsesStoreConfig
 from server.config.scheduler import MIN_BATCHED_TOKENS, SchedulerConfig, SchedulerLimits
 from server.config.server import (
     ChatOptions,
@@ -41,7 +42,7 @@ __all__ = [
     "MIN_BATCHED_TOKENS", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
     "ChatOptions", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode", "FairShare",
     "GiB", "LogFormat", "LoggingConfig", "ModelOptions", "OtlpProtocol", "ParallelConfig",
-    "RequestLimits", "SchedulerConfig",
+    "RequestLimits", "ResponsesStoreConfig", "SchedulerConfig",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",
     "TracingConfig", "WarmupConfig", "add_engine_args", "add_server_args", "api_key_from_env",
     "bucketing_config_from_env", "engine_config_from_args", "make_engine_config",

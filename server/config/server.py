@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 from server.config.fields import env_value, fixed, flag, option, section
 from server.config.logging import LOGGING, LoggingConfig
+from server.config.responses import RESPONSES, ResponsesStoreConfig
 from server.config.tracing import TRACING, TracingConfig
 
 MiB = 1 << 20
@@ -128,6 +129,7 @@ class ServerConfig:
     chat: ChatOptions = section(ChatOptions, group=CHAT)
     logging: LoggingConfig = section(LoggingConfig, group=LOGGING)
     tracing: TracingConfig = section(TracingConfig, group=TRACING)
+    responses: ResponsesStoreConfig = section(ResponsesStoreConfig, group=RESPONSES)
     # Connections (uvicorn's names where it has them)
     timeout_keep_alive: float = flag(5.0, group=CONNECTIONS,
                                      help="seconds an idle keep-alive connection stays open")

@@ -67,6 +67,9 @@ class InputProcessor:
             prompt_ids = prompt_ids[-keep:]
             prompt_text = None  # the text sent is no longer the prompt's
         params = self._check(prompt_ids, params)
+        if params.bad_words:
+            params = params.model_copy(update={
+                "bad_words_token_ids": self._bad_words_ids(params.bad_words)})
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now,
                          client=client)
@@ -77,6 +80,7 @@ class InputProcessor:
             [CompletionOutput(i, logprobs=None if params.logprobs is None else [])
              for i in range(params.n)],
             RequestMetrics(arrival_time=now),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         if grammar and params.structured_outputs is not None:
             self.attach_grammar(state, self.structured().compile(params.structured_outputs,
@@ -147,6 +151,25 @@ class InputProcessor:
                 f"{self.num_blocks}", "max_tokens",
             )
         return params
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's reading of ``bad_words``: each word as it starts a text and, where that
+        tokenizes differently (another first token, as many tokens), after a space, so it is
+        banned at the start and in the middle of the text alike."""
+        ids: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise RequestError(f"bad_words: {word!r} has no tokens", "bad_words")
+            ids.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                ids.append(spaced)
+        bad = sorted({t for word in ids for t in word if not 0 <= t < self.vocab_size})
+        if bad:
+            raise RequestError(f"bad_words: token ids {bad} are outside the model's "
+                               f"vocabulary of {self.vocab_size}", "bad_words")
+        return ids
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(

@@ -45,6 +45,10 @@ class OutputProcessor:
         touched: dict[str, RequestState] = {}
         failed: dict[str, BaseException] = {}
         finished: list[Sequence] = []
+        for request_id, (first_token, entries) in result.prompt_logprobs.items():
+            scoring = self.requests.get(request_id)
+            if scoring is not None:
+                scoring.add_prompt_logprobs(first_token, entries)
         for seq, token_id, logprob in zip(batch.seqs, result.token_ids, result.logprobs):
             if seq.request_id in failed:
                 continue

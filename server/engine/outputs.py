@@ -20,6 +20,12 @@ class TokenLogprob:
     logprob: float
     # (token_id, logprob) best first; len == SamplingParams.logprobs
     top: list[tuple[int, float]] = field(default_factory=list)
+    # 1 + how many tokens were likelier (prompt logprobs report it, as vLLM does)
+    rank: int | None = None
+
+
+# A prompt's logprobs, one per prompt token: None for the first (nothing predicts it)
+PromptLogprobs = list["TokenLogprob | None"]
 
 
 @dataclass(slots=True)
@@ -95,6 +101,8 @@ class RequestOutput:
     # Set when the request ended because of a fault in its own processing (the engine
     # logged the traceback); its completions then end with finish_reason "abort".
     error: str | None = None
+    # with SamplingParams.prompt_logprobs: the whole prompt's, in the first output only
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Accumulates a later step's output of the same request (what non-streaming
@@ -105,6 +113,8 @@ class RequestOutput:
         self.metrics = later.metrics
         self.num_generated_tokens = later.num_generated_tokens
         self.error = later.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +142,6 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprob | None]
     # the step's bucket, "phase:batch,query,blocks" (the padded shape it ran in)
     bucket: str = ""
+    # prompt logprobs computed this step: request id -> (index of the first prompt token
+    # they score, one entry per token from there)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)

@@ -86,6 +86,16 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="None: no logprobs; k: sampled + top-k"
     )
+    # vLLM's: per prompt position, the logprob of the prompt's own token and the top k
+    # (the front end bounds k with --max-logprobs). Such a request never reads the prefix
+    # cache: logits of cached positions were never computed (vLLM's choice too).
+    prompt_logprobs: int | None = Field(None, ge=0)
+    # vLLM's: words never generated (a single-token word is banned outright; a longer one
+    # bans its last token after its other tokens were generated)
+    bad_words: list[str] = Field(default_factory=list)
+    # bad_words as token ids, filled by the input processor (each word with and without a
+    # leading space, as vLLM tokenizes them)
+    bad_words_token_ids: list[list[int]] = Field(default_factory=list)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     # vLLM's: only these tokens may be sampled (the logprobs reported are over them)

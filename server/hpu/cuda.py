@@ -45,7 +45,8 @@ class CudaGraphRunner(GraphRunner):
 
     def run(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> torch.Tensor:
         entry = self._graphs.get((phase, bucket))
-        if entry is None:
+        if entry is None or entry[1].logits_indices.shape != inputs.logits_indices.shape:
+            # not captured, or a step asking for more logits rows (prompt logprobs): eager
             return self.forward(inputs)
         graph, static, output = entry
         _copy_inputs(static, inputs)

@@ -122,7 +122,10 @@ def test_top_k_beyond_the_vocabulary_is_clamped(server) -> None:
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "logits_processors", ["x"]),
-    (CHAT, "prompt_logprobs", 1),
+    (CHAT, "use_beam_search", True),
+    (COMPLETIONS, "use_beam_search", True),
+    (CHAT, "thinking_token_budget", 10),
+    (COMPLETIONS, "thinking_token_budget", 0),
     (CHAT, "chat_template", "{{ messages }}"),
     (COMPLETIONS, "best_of", 3),
 ])

@@ -47,7 +47,7 @@ def test_flat_paged_attention_matches_dense(pad_rows: int, pad_blocks: int) -> N
         seq = Sequence(i, str(i), 0, [1] * n, SamplingParams(), 0.0)
         bm.allocate(seq)
         seqs.append(seq)
-    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32,
+    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32, 4096,
                            DecodeLayout.FLAT)
     num_real_blocks = sum(len(s.block_table) for s in seqs)
     pad_to = (len(seqs) + pad_rows, num_real_blocks + pad_blocks)
@@ -158,7 +158,7 @@ def test_windowed_flat_decode_matches_naive(window: int, softcap: float | None) 
 
     torch.manual_seed(5)
     bm, seqs, (k_cache, v_cache), (k_rows, v_rows) = scattered_cache([1, 4, 5, 11, 17, 26])
-    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32,
+    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32, 4096,
                            DecodeLayout.FLAT)
     blocks = sum(len(s.block_table) for s in seqs)
     inputs = builder.decode(seqs, pad_to=(len(seqs) + 2, blocks + 3))  # bucket padding

@@ -54,7 +54,7 @@ def last_logits(loaded, prompt: list[int]) -> torch.Tensor:
     kv = allocate_kv_cache(cfg.num_layers, 16, 16, cfg.num_kv_heads, cfg.head_dim,
                            torch.float32, torch.device("cpu"))
     forward = ModelForward(loaded.model, kv)
-    inputs = InputBuilder(16, bm.pad_block_id, torch.device("cpu"), torch.float32)
+    inputs = InputBuilder(16, bm.pad_block_id, torch.device("cpu"), torch.float32, 4096)
     seq = Sequence(0, "r", 0, prompt, SamplingParams(), 0.0)
     bm.allocate(seq)
     with torch.inference_mode():

@@ -37,7 +37,7 @@ def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int,
     kv = allocate_kv_cache(cfg.num_layers, 64, block, cfg.num_kv_heads, cfg.head_dim,
                            torch.float32, torch.device("cpu"))
     forward = ModelForward(loaded.model, kv)
-    inputs = InputBuilder(block, bm.pad_block_id, torch.device("cpu"), torch.float32)
+    inputs = InputBuilder(block, bm.pad_block_id, torch.device("cpu"), torch.float32, 4096)
     seqs = [Sequence(i, str(i), 0, p, SamplingParams(), 0.0) for i, p in enumerate(prompts)]
     for s in seqs:
         bm.allocate(s)

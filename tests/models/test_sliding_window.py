@@ -213,7 +213,7 @@ def test_gemma3_bfloat16_prefill_rounds_like_transformers(tiny_model_factory) ->
     seq = Sequence(0, "0", 0, prompt, SamplingParams(), 0.0)
     seq.block_table = list(range(8))
     with torch.inference_mode():
-        inputs = InputBuilder(4, 16, torch.device("cpu"), torch.bfloat16).prefill([seq])
+        inputs = InputBuilder(4, 16, torch.device("cpu"), torch.bfloat16, 4096).prefill([seq])
         ours = ModelForward(loaded.model, kv)(inputs)[0]
     reference = type(hf_model).from_pretrained(folder, dtype=torch.bfloat16).eval()
     with torch.no_grad():

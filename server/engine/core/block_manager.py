@@ -173,7 +173,10 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], int]:
         """(blocks of ``seq``'s longest cached prefix, how many of them sit in the pool)."""
-        if not self.enable_caching:
+        if not self.enable_caching or seq.params.prompt_logprobs is not None:
+            # prompt logprobs need the logits of every prompt position, which a cached
+            # prefix never computed: such a request reads no cache (vLLM's choice), and
+            # still publishes its blocks for others
             return [], 0
         tokens = seq.all_token_ids
         size = self.block_size

@@ -32,6 +32,9 @@ class InputBuilder:
     pad_block_id: int
     device: torch.device
     dtype: torch.dtype  # the model's: the one-hot block mapping is multiplied in it
+    # warmup's stand-in positions stay below it: the RoPE tables end there, and a bucket's
+    # context + query width can exceed it (it is rounded up on both axes)
+    max_model_len: int
     # whichever the model's layer ops read
     decode_layout: DecodeLayout = DecodeLayout.FLAT
 
@@ -220,7 +223,9 @@ class InputBuilder:
         block = self.block_size
         pad = self.pad_block_id
         if phase is Phase.PREFILL:
-            context = blocks * block  # tokens the queries follow in the cache
+            # tokens the queries follow in the cache; the tables keep the bucket's full
+            # width whatever the context length (ctx_blocks below)
+            context = max(0, min(blocks * block, self.max_model_len - q))
             seqs = [dummy_seq(context + q, [pad] * (blocks + -(-q // block)))
                     for _ in range(bs)]
             for seq in seqs:

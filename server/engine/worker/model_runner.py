@@ -20,10 +20,11 @@ import torch
 from server.config import EngineConfig, SchedulerLimits
 from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import ScheduledBatch, Sequence
-from server.engine.outputs import ModelRunnerOutput
+from server.engine.outputs import ModelRunnerOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
 from server.engine.worker.input_builder import InputBuilder, dummy_seq
+from server.engine.worker.prompt_logprobs import all_rows, flat_starts, score, scored_chunks
 from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.worker.sleep import DeviceMemory, WeightLoader
 from server.hpu.buckets.adaptive import AdaptiveBuckets
@@ -102,7 +103,7 @@ class ModelRunner:
         self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
                                    self.kv_cache_bytes)
         self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
-                                   loaded.dtype, ops.decode_layout)
+                                   loaded.dtype, limits.max_model_len, ops.decode_layout)
         graphs: ShapeRunner = platform.graph_runner(
             mode, ModelForward(loaded.model, self.kv_caches), self.counters, loaded.model,
             config.device)
@@ -184,11 +185,20 @@ class ModelRunner:
         else:
             inputs = self.inputs.decode(seqs, pad_to)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
-        logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
+        scored = scored_chunks(seqs, new_tokens) if phase is Phase.PREFILL else []
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
+        if scored:  # the grid's every token's logits: see prompt_logprobs.py
+            widened, last = all_rows(inputs)
+            every = self.graphs.run(phase, bucket, widened)
+            prompt_logprobs = score(every, scored, flat_starts(
+                inputs, new_tokens, phase is Phase.PREFILL and self.packs_tokens), seqs)
+            logits = every.index_select(0, last)[: len(seqs)]
+        else:
+            logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
         label = bucket_label(phase, bucket)
         rows = batch.sampling_rows  # a prompt chunk short of its end samples nothing
         if not rows:
-            return ModelRunnerOutput([], [], label)
+            return ModelRunnerOutput([], [], label, prompt_logprobs)
         sampled = [seqs[row] for row in rows]
         if len(rows) < len(seqs):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
@@ -196,7 +206,8 @@ class ModelRunner:
                                          self.platform.device, token_bitmask)
         out = self.sampler(logits, sampling)
         self.graphs.sync(SyncPoint.SAMPLER)
-        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled), label)
+        return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled), label,
+                                 prompt_logprobs)
 
     def _bucket(self, phase: Phase, seqs: list[Sequence], new_tokens: list[int]) -> Bucket:
         """The planned bucket that holds the batch, or its exact shape when bucketing is off

@@ -36,7 +36,8 @@ class SamplingTensors:
     repetition: torch.Tensor | None  # [B, 1]
     output_ids: torch.Tensor | None  # [B, Lout] padded with vocab_size
     prompt_ids: torch.Tensor | None  # [B, Lprompt] padded with vocab_size
-    # sparse additive biases (logit_bias, and -inf for EOS/stop ids under min_tokens)
+    # sparse additive biases (logit_bias; -inf for EOS/stop ids under min_tokens and for
+    # bad_words' banned tokens)
     bias_rows: torch.Tensor | None
     bias_cols: torch.Tensor | None
     bias_values: torch.Tensor | None
@@ -266,6 +267,10 @@ def _sparse_biases(
             rows.append(row)
             cols.append(int(token_id))
             values.append(float(bias))
+        for token_id in banned_by_bad_words(p.bad_words_token_ids, seq.output_token_ids):
+            rows.append(row)
+            cols.append(token_id)
+            values.append(_NEG_INF)
         if seq.num_output_tokens < p.min_tokens:
             blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             for token_id in blocked:
@@ -273,6 +278,19 @@ def _sparse_biases(
                 cols.append(token_id)
                 values.append(_NEG_INF)
     return rows, cols, values
+
+
+def banned_by_bad_words(words: list[list[int]], generated: list[int]) -> list[int]:
+    """vLLM's rule: a word's last token is banned once the tokens generated so far end with
+    the rest of the word (a one-token word: always). Prompt tokens do not count."""
+    banned = []
+    for word in words:
+        prefix = len(word) - 1
+        if prefix > len(generated):
+            continue
+        if prefix == 0 or generated[-prefix:] == word[:-1]:
+            banned.append(word[-1])
+    return banned
 
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:

@@ -237,7 +237,7 @@ def test_prompt_attention_kernel_matches_sdpa_on_a_padded_batch(fused, dtype) ->
         seq = Sequence(i, str(i), 0, [1] * n, SamplingParams(), 0.0)
         manager.allocate(seq)
         seqs.append(seq)
-    builder = InputBuilder(block, manager.pad_block_id, torch.device("cpu"), dtype,
+    builder = InputBuilder(block, manager.pad_block_id, torch.device("cpu"), dtype, 4096,
                            DecodeLayout.BLOCK_TABLES)
     meta = builder.prefill(seqs).meta
     tokens = len(seqs) * 37

@@ -1,0 +1,182 @@
+"""Run vLLM's own HTTP tests against this checkout's hpu-serve.
+
+    .venv/bin/python benchmarks/vllm_tests/run.py --vllm-src DIR [--report FILE] [--only PART]
+
+DIR holds vLLM's ``tests/`` tree (a clone, or the files listed in SOURCES.txt). The selected
+test files are copied into a staging tree beside the shim (shim/: a stand-in for
+``tests.utils.RemoteOpenAIServer`` that starts ``python -m server serve``, the few ``vllm``
+names the tests import, and a pytest-asyncio stand-in); each file runs in its own pytest
+process, one server per module as in vLLM. Prints, and writes to FILE as Markdown, the passed /
+failed / skipped / not-applicable counts per file and each failure with its class from
+known.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import known  # noqa: E402
+
+TEST_FILES = (
+    "tests/entrypoints/openai/basic/test_basic.py",
+    "tests/entrypoints/openai/completion/test_completion.py",
+    "tests/entrypoints/openai/chat_completion/test_chat.py",
+    "tests/entrypoints/openai/chat_completion/test_root_path.py",
+    "tests/entrypoints/openai/models/test_models.py",
+    "tests/entrypoints/serve/tokenize/test_tokenization.py",
+    "tests/entrypoints/serve/sleep/test_sleep.py",
+)
+# vLLM's conftests that are plain pytest (the others import vLLM and are replaced by the shim's)
+CONFTESTS = (
+    "tests/entrypoints/conftest.py",
+    "tests/entrypoints/openai/basic/conftest.py",
+)
+
+
+@dataclass
+class FileResult:
+    path: str
+    passed: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (test id, first message line)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    not_applicable: list[tuple[str, str]] = field(default_factory=list)
+    crashed: str = ""  # pytest itself failed (no report written)
+
+
+def stage(vllm_src: Path, files: list[str]) -> Path:
+    """A tree with the shim at its root and the selected vLLM files under tests/."""
+    staging = Path(tempfile.mkdtemp(prefix="vllm-tests-"))
+    shim = HERE / "shim"
+    shutil.copytree(shim / "vllm", staging / "vllm")
+    shutil.copy(shim / "conftest.py", staging / "conftest.py")
+    if importlib.util.find_spec("pytest_asyncio") is None:  # else the real plugin runs them
+        shutil.copy(shim / "pytest_asyncio.py", staging / "pytest_asyncio.py")
+    shutil.copy(HERE / "known.py", staging / "known.py")
+    (staging / "tests").mkdir()
+    shutil.copy(shim / "tests_utils.py", staging / "tests" / "utils.py")
+    for rel in [*files, *CONFTESTS]:
+        src = vllm_src / rel
+        if not src.exists():
+            print(f"missing in --vllm-src: {rel}", file=sys.stderr)
+            continue
+        dst = staging / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, dst)
+    for folder in (staging / "tests").rglob("*"):
+        if folder.is_dir():
+            (folder / "__init__.py").touch()
+    (staging / "tests" / "__init__.py").touch()
+    return staging
+
+
+def _message(case: ET.Element) -> str:
+    for tag in ("failure", "error", "skipped"):
+        node = case.find(tag)
+        if node is not None:
+            text = (node.get("message") or node.text or "").strip()
+            if "server exited early" in text and node.text:  # the server's log says why
+                said = [line.removeprefix("E").strip() for line in node.text.splitlines()
+                        if "error:" in line.lower() or "Error:" in line]
+                return "server did not start: " + (said[0] if said else "see the log")[:300]
+            return text.splitlines()[0][:300] if text else tag
+    return ""
+
+
+def run_file(staging: Path, rel: str, timeout_s: int, log_dir: Path) -> FileResult:
+    result = FileResult(rel)
+    junit = log_dir / (rel.replace("/", "__") + ".xml")
+    log = log_dir / (rel.replace("/", "__") + ".log")
+    env = dict(os.environ, HPU_SERVE_ROOT=str(ROOT), PYTHONPATH=str(staging))
+    cmd = [sys.executable, "-m", "pytest", rel, "-p", "no:cacheprovider", "-p", "no:randomly",
+           "-p", "no:anyio", f"--timeout={timeout_s}", "-rA",
+           f"--junitxml={junit}", "-o", "junit_family=xunit2"]
+    with open(log, "w") as out:
+        subprocess.run(cmd, cwd=staging, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if not junit.exists():
+        result.crashed = f"no report; see {log}"
+        return result
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        test_id = f"{case.get('name')}"
+        message = _message(case)
+        if case.find("failure") is not None or case.find("error") is not None:
+            result.failed.append((test_id, message))
+        elif case.find("skipped") is not None:
+            if known.NA_PREFIX in message:
+                result.not_applicable.append((test_id, message.split(known.NA_PREFIX, 1)[1]))
+            else:
+                result.skipped.append((test_id, message))
+        else:
+            result.passed.append(test_id)
+    return result
+
+
+def report(results: list[FileResult]) -> str:
+    lines = ["| file | passed | failed | skipped | not applicable |", "|---|---|---|---|---|"]
+    for r in results:
+        name = r.path.removeprefix("tests/entrypoints/")
+        lines.append(f"| {name} | {len(r.passed)} | {len(r.failed)} | {len(r.skipped)} | "
+                     f"{len(r.not_applicable)} |" + (f" crashed: {r.crashed}" if r.crashed else ""))
+    passed = sum(len(r.passed) for r in results)
+    failed = sum(len(r.failed) for r in results)
+    applicable = passed + failed
+    share = 100.0 * passed / applicable if applicable else 0.0
+    lines += ["", f"**{passed} of {applicable} applicable tests passed ({share:.0f}%)**; "
+              f"{sum(len(r.not_applicable) for r in results)} not applicable, "
+              f"{sum(len(r.skipped) for r in results)} skipped.", "", "## Failures", ""]
+    for r in results:
+        for test_id, message in r.failed:
+            verdict = known.classify(f"{r.path}::{test_id}")
+            kind = f"{verdict[0].value}: {verdict[1]}" if verdict else "unclassified"
+            lines.append(f"- `{r.path.rsplit('/', 1)[1]}::{test_id}` - {kind}  \n"
+                         f"  `{message}`")
+    lines += ["", "## Not applicable", ""]
+    for r in results:
+        for test_id, reason in r.not_applicable:
+            lines.append(f"- `{r.path.rsplit('/', 1)[1]}::{test_id}` - {reason}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-src", type=Path, required=True,
+                        help="a folder holding vLLM's tests/ tree")
+    parser.add_argument("--report", type=Path, help="write the Markdown report here")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run only the files whose path contains this (repeatable)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    args = parser.parse_args()
+    files = [f for f in TEST_FILES if not args.only or any(p in f for p in args.only)]
+    staging = stage(args.vllm_src.resolve(), files)
+    log_dir = staging / "logs"
+    log_dir.mkdir()
+    results = []
+    for rel in files:
+        print(f"running {rel} ...", flush=True)
+        results.append(run_file(staging, rel, args.timeout, log_dir))
+        r = results[-1]
+        print(f"  {len(r.passed)} passed, {len(r.failed)} failed, {len(r.skipped)} skipped, "
+              f"{len(r.not_applicable)} not applicable {r.crashed}", flush=True)
+    text = report(results)
+    print(text)
+    print(f"logs: {log_dir}")
+    if args.report:
+        args.report.write_text(text)
+        args.report.with_suffix(".json").write_text(json.dumps(
+            [r.__dict__ for r in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Root conftest of the staging tree (in place of vLLM's tests/conftest.py, which needs vLLM):
+the pytest-asyncio stand-in, the hub LoRA adapters the tests ask for, and the not-applicable
+marks from known.py."""
+
+from __future__ import annotations
+
+import importlib
+
+import known
+import pytest
+from tests.utils import UNAVAILABLE_LORA
+
+if getattr(importlib.import_module("pytest_asyncio"), "STAND_IN", False):
+    pytest_plugins = ["pytest_asyncio"]
+
+
+def _unavailable_lora(repo_id: str) -> str:
+    return UNAVAILABLE_LORA + repo_id
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _hub_lora_adapters() -> None:
+    """vLLM's test modules download LoRA adapters for their own base models from the hub;
+    such an adapter cannot be applied to the embedded model, so none is downloaded."""
+    import huggingface_hub
+
+    def snapshot_download(repo_id: str, *args: object, **kwargs: object) -> str:
+        return _unavailable_lora(repo_id)
+
+    huggingface_hub.snapshot_download = snapshot_download
+
+
+@pytest.fixture(scope="session")
+def qwen3_lora_files() -> str:
+    return _unavailable_lora("charent/self_cognition_Alice")
+
+
+@pytest.fixture
+def sample_structured_outputs_choices(sample_choice: list[str]) -> list[str]:
+    """The newer name of tests/entrypoints/conftest.py's ``sample_choice``."""
+    return sample_choice
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        reason = known.not_applicable(item.nodeid)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=known.NA_PREFIX + reason))

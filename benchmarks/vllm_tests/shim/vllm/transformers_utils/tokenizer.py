@@ -1,0 +1,3 @@
+from vllm.tokenizers import get_tokenizer
+
+__all__ = ["get_tokenizer"]

@@ -1,0 +1,2 @@
+class EngineDeadError(Exception):
+    """vLLM's engine-dead error, for collection only."""

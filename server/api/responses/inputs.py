@@ -1,0 +1,170 @@
+"""A Responses request read as the chat request it amounts to: ``instructions``, the
+previous response's conversation and ``input`` become chat messages; ``tools``,
+``tool_choice``, ``text.format`` and the sampling fields map to chat's. What the Responses
+API has and this server cannot honour is refused with a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from server.api.errors import APIError
+from server.api.protocol import ChatCompletionRequest
+from server.api.responses.protocol import (
+    ContentPart,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MessageItem,
+    NamedFunctionChoice,
+    OtherItem,
+    OtherTool,
+    OutputItem,
+    OutputMessage,
+    ReasoningItemParam,
+    ReasoningOut,
+    ResponsesRequest,
+)
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def refuse_unsupported(req: ResponsesRequest) -> None:
+    """400 naming the first field whose value this server cannot honour."""
+    for i, tool in enumerate(req.tools or []):
+        if isinstance(tool, OtherTool):
+            _refuse(f"tools[{i}]", f"the built-in tool {tool.type!r} is not available on this "
+                                   "server; only function tools are")
+    choice = req.tool_choice
+    if choice is not None and not isinstance(choice, (str, NamedFunctionChoice)):
+        _refuse("tool_choice", f"tool_choice of type {choice.type!r} is not supported; send "
+                               "auto, none, required or a function")
+    if req.include:
+        _refuse("include", f"include {req.include[0]!r} cannot be produced by this server")
+    if req.truncation == "auto":
+        _refuse("truncation", 'truncation "auto" is not supported (a too long context is a '
+                              '400); send "disabled"')
+    if req.max_tool_calls is not None:
+        _refuse("max_tool_calls", "max_tool_calls is not supported")
+    if req.top_logprobs:
+        _refuse("top_logprobs", "logprobs are not supported on /v1/responses")
+    if req.reasoning is not None and (req.reasoning.effort or req.reasoning.summary
+                                      or req.reasoning.generate_summary):
+        _refuse("reasoning", "reasoning effort and summaries cannot be set on this server "
+                             "(reasoning is the model's own, split by --reasoning-parser)")
+    if req.text is not None and req.text.verbosity not in (None, "medium"):
+        _refuse("text.verbosity", "text.verbosity is not supported")
+    if req.background and not req.store:
+        _refuse("background", "background responses need store: true (they are retrieved "
+                              "from the store)")
+    if req.background and req.stream:
+        _refuse("stream", "streaming a background response is not supported; poll it with "
+                          "GET /v1/responses/{id}")
+    for name in ("prompt", "conversation", "context_management", "prompt_cache_key"):
+        if (req.model_extra or {}).get(name):
+            _refuse(name, f"{name} is not supported by this server")
+
+
+def _refuse(param: str, message: str) -> None:
+    raise APIError(400, f"{message} (refused rather than ignored: it would change the answer)",
+                   param, "unsupported_parameter")
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as chat messages (the conversation this request adds)."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": _text(item.content, where)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text(item.output, where)})
+        elif isinstance(item, ReasoningItemParam):
+            continue  # templates drop past reasoning
+        else:
+            assert isinstance(item, OtherItem)
+            _refuse(f"{where}.type", f"input items of type {item.type!r} are not supported")
+    return messages
+
+
+def _text(content: str | list[ContentPart], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS or part.text is None:
+            _refuse(f"{where}.content[{j}]", f"content parts of type {part.type!r} are not "
+                                             "supported (text only)")
+        texts.append(part.text or "")
+    return "".join(texts)
+
+
+def output_messages(output: list[OutputItem]) -> list[dict[str, Any]]:
+    """A response's output as the chat messages that continue its conversation."""
+    messages: list[dict[str, Any]] = []
+    for item in output:
+        if isinstance(item, ReasoningOut):
+            continue
+        if isinstance(item, OutputMessage):
+            messages.append({"role": "assistant",
+                             "content": "".join(part.text for part in item.content)})
+            continue
+        call = {"id": item.call_id, "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    return messages
+
+
+def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
+                 ) -> ChatCompletionRequest:
+    """The chat request that ``req`` amounts to, with ``conversation`` (the previous
+    response's messages and this input) after the instructions."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions
+                else []) + conversation
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature, "top_p": req.top_p,
+        "parallel_tool_calls": req.parallel_tool_calls, "top_k": req.top_k, "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty, "seed": req.seed, "stop": req.stop,
+        "ignore_eos": req.ignore_eos, "priority": req.priority, "cache_salt": req.cache_salt,
+    }
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True,
+                                                                         exclude={"type"})}
+                         for t in req.tools if isinstance(t, FunctionTool)]
+    if isinstance(req.tool_choice, str):
+        body["tool_choice"] = req.tool_choice
+    elif isinstance(req.tool_choice, NamedFunctionChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "text.format: json_schema needs a schema", "text.format.schema")
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict}}
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:  # e.g. an empty input: no messages at all
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        param = "input" if loc.startswith("messages") else loc
+        raise APIError(400, f"{param}: {first['msg']}", param) from None
