@@ -96,6 +96,21 @@ def test_auto_makes_requests_without_temperature_greedy(auto_server) -> None:
 
 
 @pytest.mark.slow
+def test_chat_and_responses_take_the_defaults_too(auto_server) -> None:
+    client = openai.OpenAI(base_url=auto_server.base_url + "/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": PROMPT}]
+    greedy = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                            temperature=0, max_tokens=4)
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, seed=seed)
+        assert reply.choices[0].message.content == greedy.choices[0].message.content
+        assert reply.usage.completion_tokens <= 4
+    answer = client.responses.create(model=MODEL_NAME, input=PROMPT)
+    assert answer.output_text == greedy.choices[0].message.content
+    assert answer.usage.output_tokens <= 4
+
+
+@pytest.mark.slow
 def test_vllm_ignores_the_models_generation_config(model_dir) -> None:
     srv = start_server(model_dir, *TINY_FLAGS, "--max-model-len", "64",
                        "--generation-config", "vllm")
