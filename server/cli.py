@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace) -> int:
     0 after a SIGTERM drain, 1 when the engine died (the orchestrator restarts the pod)."""
     from server.api.app import build_app
     from server.api.chat_output import chat_parsers
-    from server.api.http_server import HttpServer
+    from server.api.http_server import HttpServer, check_tls
     from server.engine.async_engine import AsyncEngine
     from server.models.errors import ModelFileError
 
@@ -125,6 +125,7 @@ def serve(args: argparse.Namespace) -> int:
         engine_cfg = engine_config_from_args(args)
         server_cfg = server_config_from_args(args)
         chat_parsers(server_cfg.chat)  # an unknown parser name fails before the model loads
+        check_tls(server_cfg)  # a key that does not load, too
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     # before anything loads: every line of the run in --log-format, workers' included
@@ -147,8 +148,8 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, server_cfg)
     # a death before anyone listened (a TP worker, say) has set it already: exits at once
     http = HttpServer(app, server_cfg, on_deadline=engine.abort_all, stop_when=engine_dead)
-    logger.info("serving %s on http://%s:%d", engine.model_name, server_cfg.host,
-                server_cfg.port)
+    logger.info("serving %s on %s://%s:%d", engine.model_name,
+                "https" if server_cfg.tls else "http", server_cfg.host, server_cfg.port)
     http.run()
     return 1 if engine.dead_reason is not None else 0
 

@@ -219,7 +219,11 @@ def test_an_unknown_grammar_backend_is_refused(capsys) -> None:
 
 VLLM_COMMAND_LINE = ["--trust-remote-code", "--swap-space", "16", "--load-format", "auto",
                      "--disable-log-requests", "--disable-log-stats",
-                     "--disable-frontend-multiprocessing", "--disable-custom-all-reduce"]
+                     "--disable-frontend-multiprocessing", "--disable-custom-all-reduce",
+                     # flags with an effect, as a vLLM deployment spells them
+                     "--enable-prompt-tokens-details", "--generation-config", "auto",
+                     "--enable-server-load-tracking", "--api-server-count", "1",
+                     "--revision", "main"]
 
 
 @pytest.mark.slow
@@ -230,9 +234,15 @@ def test_a_vllm_command_line_starts_and_says_what_is_ignored(tiny_model) -> None
     srv = start_server(tiny_model[0], *TINY_FLAGS, *VLLM_COMMAND_LINE)
     try:
         assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 200
+        assert httpx.get(srv.base_url + "/load", timeout=30).json() == {"server_load": 0}
     finally:
         srv.stop()
     log = srv.log()
+    assert "has no effect here" not in log.replace(  # only the four no-effect flags warn
+        "--trust-remote-code True has no effect here", "").replace(
+        "--swap-space 16.0 has no effect here", "").replace(
+        "--disable-frontend-multiprocessing True has no effect here", "").replace(
+        "--disable-custom-all-reduce True has no effect here", ""), log[-3000:]
     for flag in ("--trust-remote-code True", "--swap-space 16.0",
                  "--disable-frontend-multiprocessing True", "--disable-custom-all-reduce True"):
         assert log.count(f"{flag} has no effect here") == 1, log[-3000:]

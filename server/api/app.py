@@ -18,6 +18,7 @@ from server.api.answer_json import dumps
 from server.api.anthropic import add_anthropic_routes
 from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
+from server.api.load import install_load_tracking
 from server.api.middleware import GuardMiddleware
 from server.api.openapi import install_openapi
 from server.api.pooling.routes import add_pooling_routes
@@ -75,7 +76,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
                          ClientSeqs(cfg.max_client_seqs, cfg.fair_share is not FairShare.OFF,
                                     metrics.registry),
                          tracer or RequestTracer.from_config(cfg.tracing, engine.model_name),
-                         cfg.enable_prompt_tokens_details)
+                         cfg.enable_prompt_tokens_details, engine.sampling_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -99,6 +100,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
     add_sleep_routes(app, engine)
     add_responses_routes(app, ctx, cfg.responses)
     install_openapi(app)
+    install_load_tracking(app, cfg.enable_server_load_tracking)
     app.add_middleware(
         CORSMiddleware, allow_origins=list(cfg.allowed_origins),
         allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),

@@ -9,6 +9,7 @@ import math
 import resource
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 
@@ -100,6 +101,9 @@ class HttpServer:
             # (server/api/connections.py); uvicorn's own limit_concurrency, which counts
             # silent connections too, stays off
             http=protocol_factory(ConnectionBook(limits)),
+            # --ssl-*: uvicorn's own TLS (vLLM passes the same four through)
+            ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
+            ssl_ca_certs=cfg.ssl_ca_certs, ssl_cert_reqs=cfg.ssl_cert_reqs,
         )
         self._server = GracefulServer(config, cfg.shutdown_timeout, on_deadline, stop_when)
 
@@ -107,6 +111,27 @@ class HttpServer:
         """Binds the port (only now: the engine is loaded and warmed up) and serves."""
         raise_fd_limit()
         asyncio.run(self._server.serve())
+
+
+def check_tls(cfg: ServerConfig) -> None:
+    """Loads the --ssl-* files once as uvicorn will, so that a bad key, a certificate that
+    does not match it or an unreadable CA file stops start-up in one line (ValueError) before
+    the model loads, not with a traceback once it has."""
+    if cfg.ssl_certfile is None:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        key = f" with --ssl-keyfile {cfg.ssl_keyfile}" if cfg.ssl_keyfile else ""
+        raise ValueError(f"--ssl-certfile {cfg.ssl_certfile}{key}: cannot load the "
+                         f"certificate and its key ({exc})") from None
+    if cfg.ssl_ca_certs:
+        try:
+            context.load_verify_locations(cfg.ssl_ca_certs)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"--ssl-ca-certs {cfg.ssl_ca_certs}: cannot load the CA "
+                             f"certificates ({exc})") from None
 
 
 def raise_fd_limit() -> None:

@@ -30,6 +30,7 @@ from server.config import ChatOptions, RequestLimits
 from server.engine.inputs import Offload, PromptBuilder
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.pooling.params import PoolingModelInfo
+from server.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from server.engine.sampling_params import SamplingParams
 from server.engine.tokenizer import Tokenizer
 from server.metrics import ServerMetrics
@@ -51,6 +52,10 @@ class EngineClient(Protocol):
     @property
     def pooling(self) -> PoolingModelInfo | None:
         """The served pooling model (``--runner pooling``); None when it generates."""
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """What a request's unset sampling fields become (--generation-config)."""
 
     @property
     def metrics_registry(self) -> CollectorRegistry:
@@ -106,6 +111,9 @@ class ServingContext:
     tracer: RequestTracer | None = None
     # --enable-prompt-tokens-details: usage reports the prompt tokens the cache served
     prompt_tokens_details: bool = False
+    # --generation-config: the model's defaults for the sampling fields a request leaves
+    # unset; every endpoint's build_sampling_params takes them
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS
     # the engine's tokenizer's logprob texts, cached per token id
     logprobs: LogprobFormatter = field(init=False)
     logprobs_as_ids: LogprobFormatter = field(init=False)
@@ -198,10 +206,12 @@ def system_fingerprint(model_name: str) -> str:
 
 def build_sampling_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int,
-    prompt_logprobs: int | None = None,
+    prompt_logprobs: int | None = None, *, defaults: SamplingDefaults,
 ) -> SamplingParams:
     """OpenAI/vLLM request fields -> engine params; bad values surface as pydantic errors
-    naming the field (answered with 400)."""
+    naming the field (answered with 400). ``defaults`` (``ctx.sampling_defaults``, from
+    --generation-config) fill the sampling fields and max_tokens the request leaves unset
+    (pass ``max_tokens`` as the request has it: None when unset)."""
     bias = None
     if req.logit_bias:
         try:
@@ -212,11 +222,14 @@ def build_sampling_params(
     top_p = req.top_p
     if top_p == 0.0:  # OpenAI: only the most likely token (the engine takes top_p in (0, 1])
         temperature, top_p = 0.0, None
-    top_k = req.top_k
+    sampling = defaults.fill(dict(temperature=temperature, top_p=top_p, top_k=req.top_k,
+                                  min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                                  max_tokens=max_tokens))
+    top_k = sampling["top_k"]
     if top_k is not None and top_k >= vocab_size:
         top_k = 0  # every token is in the top k: disabled, as vLLM clamps it to the vocabulary
     fields: dict[str, Any] = dict(
-        n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
+        n=req.n, max_tokens=sampling["max_tokens"], min_tokens=req.min_tokens, seed=req.seed,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         logit_bias=bias, logprobs=logprobs, stop=req.stop,
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
@@ -226,8 +239,8 @@ def build_sampling_params(
         allowed_token_ids=req.allowed_token_ids, prompt_logprobs=prompt_logprobs,
         bad_words=req.bad_words or [],
     )
-    optional = dict(temperature=temperature, top_p=top_p, top_k=top_k,
-                    min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+    optional = dict(temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=top_k,
+                    min_p=sampling["min_p"], repetition_penalty=sampling["repetition_penalty"],
                     structured_outputs=structured_outputs_of(req))
     fields.update({k: v for k, v in optional.items() if v is not None})
     return SamplingParams(**fields)

@@ -102,7 +102,8 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    requested_max = req.max_completion_tokens or req.max_tokens
+    max_tokens = ctx.sampling_defaults.max_tokens_for(requested_max)
     check_messages(ctx.limits, len(req.messages))
     check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=1,
                  max_tokens=max_tokens, logprobs=logprobs, logprobs_field="top_logprobs",
@@ -114,8 +115,9 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
     _template_kwargs(req.chat_template_kwargs)  # refused here, before the request queues
     vocab = ctx.engine.tokenizer.vocab_size
-    params = build_sampling_params(req, max_tokens, logprobs, vocab,
-                                   prompt_logprobs_of(ctx.limits, req, vocab))
+    params = build_sampling_params(req, requested_max, logprobs, vocab,
+                                   prompt_logprobs_of(ctx.limits, req, vocab),
+                                   defaults=ctx.sampling_defaults)
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
         text, ids = render_chat_prompt(ctx, req, plan.tools)

@@ -85,7 +85,8 @@ async def create_completion(
                             "back, nothing generated)", "max_tokens")
     prompts = _prompts(req.prompt)
     check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=len(prompts),
-                 max_tokens=req.max_tokens, max_tokens_field="max_tokens",
+                 max_tokens=ctx.sampling_defaults.max_tokens_for(req.max_tokens),
+                 max_tokens_field="max_tokens",
                  logprobs=req.logprobs, logprobs_field="logprobs")
     vocab = ctx.engine.tokenizer.vocab_size
     # echo with logprobs: the echoed prompt's tokens carry theirs (vLLM's, OpenAI's)
@@ -93,7 +94,7 @@ async def create_completion(
                                          implied=req.logprobs if req.echo else None)
     # echo with max_tokens 0 generates one token that is never shown, as vLLM does
     params = build_sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
-                                   vocab, prompt_logprobs)
+                                   vocab, prompt_logprobs, defaults=ctx.sampling_defaults)
     streams = []
     try:
         for i, prompt in enumerate(prompts):

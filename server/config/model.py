@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
-from server.config.fields import flag, knob
+from server.config.fields import flag, knob, section
 
 GiB = 1 << 30
+
+HUB = "models from the Hugging Face Hub (an org/name model argument)"
+# The generation config's sampling fields that become request defaults (vLLM's list;
+# max_new_tokens is the default max_tokens)
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "max_new_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class HubOptions:
+    """Where a model named by its Hub id comes from (vLLM's flags, huggingface_hub's cache)."""
+
+    revision: str | None = flag(
+        None, group=HUB, help="branch, tag or commit of a model given by its Hub id (default: "
+                              "main)")
+    download_dir: str | None = flag(
+        None, group=HUB, help="the Hugging Face cache folder that holds (and receives) Hub "
+                              "models (default: HF_HUB_CACHE, else HF_HOME/hub, else "
+                              "~/.cache/huggingface/hub)")
+    offline: bool = knob(
+        False, env="HF_HUB_OFFLINE",
+        help="never contact the Hub: a model id loads from the cache only (set it where the "
+             "machine has no network, for a fast and certain answer)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +54,36 @@ class ModelOptions:
              "of up to 4 rows (bf16 on CPU); none: dequantize everything to --dtype; gptq, "
              "awq, fp8, compressed-tensors: what config.json says the checkpoint is (read from "
              "it when unset; dequantized at load)")
+    generation_config: str = flag(
+        "auto", help="request defaults for sampling fields a request leaves unset: auto: the "
+                     "model's generation_config.json (temperature, top_p, top_k, min_p, "
+                     "repetition_penalty; max_new_tokens as max_tokens), or a GGUF's "
+                     "general.sampling.* keys; vllm: none (the API's own defaults); a folder: "
+                     "that folder's generation_config.json")
+    override_generation_config: str | None = flag(
+        None, help="JSON object of generation config fields applied over --generation-config "
+                   "(e.g. '{\"temperature\": 0.5}')")
+    hub: HubOptions = section(HubOptions)
+
+    def __post_init__(self) -> None:
+        _ = self.generation_overrides  # a bad JSON stops start-up here, in one line
+
+    @property
+    def generation_overrides(self) -> dict[str, Any]:
+        """--override-generation-config as a dict, its fields checked."""
+        if not self.override_generation_config:
+            return {}
+        try:
+            value = json.loads(self.override_generation_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--override-generation-config is no JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--override-generation-config must be a JSON object")
+        unknown = sorted(set(value) - set(GENERATION_FIELDS))
+        if unknown:
+            raise ValueError(f"--override-generation-config: unknown field(s) "
+                             f"{', '.join(unknown)} (known: {', '.join(GENERATION_FIELDS)})")
+        return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -19,6 +20,7 @@ LIMITS = "request limits (beyond them: 400 naming the field)"
 FAIRNESS = "fairness between clients"
 CHAT = "tool calls and reasoning"
 CONNECTIONS = "connections"
+TLS = "TLS (HTTPS)"
 
 
 class FairShare(str, enum.Enum):
@@ -89,6 +91,13 @@ class ServerConfig:
     root_path: str = flag(
         "", help="the path prefix a proxy serves this server under (/llm): routes answer with "
                  "and without it, and the API key guards both")
+    enable_server_load_tracking: bool = flag(
+        False, help="GET /load answers {\"server_load\": N}, the requests generating or "
+                    "pooling right now (0 without this flag)")
+    api_server_count: int = flag(
+        1, aliases=("-asc",),
+        help="API server processes; one here: the engine runs in the API server's process "
+             "and no second process can share it (run replicas behind a load balancer)")
     api_key: str | None = flag(None, env=API_KEY_ENV,
                                help="protects /v1/*, /reset_prefix_cache and /buckets/observed")
     max_waiting_requests: int = flag(
@@ -106,6 +115,16 @@ class ServerConfig:
                           help="log level of the HTTP server")
     disable_access_log: bool = flag(False, name="disable-uvicorn-access-log",
                                     help="no log line per request")
+    ssl_keyfile: str | None = flag(None, group=TLS,
+                                   help="private key (PEM) of the server's certificate")
+    ssl_certfile: str | None = flag(
+        None, group=TLS, help="certificate (PEM) the server presents: HTTPS on --port")
+    ssl_ca_certs: str | None = flag(
+        None, group=TLS, help="CA certificates (PEM) that client certificates are checked "
+                              "against")
+    ssl_cert_reqs: int = flag(
+        0, group=TLS, help="client certificates: 0 not asked, 1 checked when sent, 2 "
+                           "required (Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)")
     limits: RequestLimits = section(RequestLimits, group=LIMITS)
     chat: ChatOptions = section(ChatOptions, group=CHAT)
     logging: LoggingConfig = section(LoggingConfig, group=LOGGING)
@@ -159,9 +178,37 @@ class ServerConfig:
         for name in ("max_idle_connections_per_address", "preprocess_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{option(cls, name)} must be >= 1")
+        if self.api_server_count != 1:
+            raise ValueError(
+                f"--api-server-count {self.api_server_count}: one API server process serves "
+                "here. The engine (model, KV cache, warmed-up graphs) lives in that process "
+                "and no other process can share it; scale out with replicas behind a load "
+                "balancer instead")
+        self._check_tls()
         if self.max_client_seqs < 0 or self.max_waiting_requests < 0:
             raise ValueError("--max-client-seqs and --max-waiting-requests must be >= 0 "
                              "(0: unbounded)")
+
+
+    def _check_tls(self) -> None:
+        """A TLS setting that cannot work stops start-up naming it, before the model loads."""
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        if self.ssl_cert_reqs and not self.ssl_certfile:
+            raise ValueError("--ssl-cert-reqs needs --ssl-certfile (and --ssl-ca-certs)")
+        if self.ssl_cert_reqs and not self.ssl_ca_certs:
+            raise ValueError("--ssl-cert-reqs needs --ssl-ca-certs: the CAs that client "
+                             "certificates are checked against")
+        for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{option(type(self), name)} {path}: no such file")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
 
 
 def api_key_from_env(given: str | None, environ: Mapping[str, str] | None = None) -> str | None:

@@ -37,6 +37,7 @@ from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.pooling.engine import PoolingEngine
 from server.engine.pooling.params import PoolingModelInfo
 from server.engine.request_state import RequestState
+from server.engine.sampling_defaults import SamplingDefaults
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
 from server.engine.stats_log import StatsLog
@@ -187,6 +188,10 @@ class AsyncEngine:
         """The served pooling model (``--runner pooling``); None for a generative one."""
         engine = self.engine
         return engine.info if isinstance(engine, PoolingEngine) else None
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self.engine.sampling_defaults
 
     @property
     def metrics_registry(self) -> CollectorRegistry:

@@ -47,6 +47,13 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 - server.engine.tokenizer.Tokenizer
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no params (vLLM's method): the
+        model's generation config (``generation_config``, default auto), else the defaults
+        of SamplingParams."""
+        defaults = self.engine.sampling_defaults.as_dict()
+        return SamplingParams(**defaults) if defaults else SamplingParams()
+
     def shutdown(self) -> None:
         """Stops the other ranks of ``tensor_parallel_size > 1`` (else nothing to do; they
         are killed at interpreter exit otherwise)."""
@@ -63,6 +70,8 @@ class LLM:
             raise ValueError("this model is served by the pooling runner (runner='pooling'): "
                              "use embed, classify or score")
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompt_list))
         request_ids = []
         for prompt, p in zip(prompt_list, params):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 import torch
 
 from server.cache_dir import writable_cache_dir
-from server.config import EngineConfig
+from server.config import EngineConfig, ModelOptions
 from server.engine.core.block_manager import BlockManager
 from server.engine.core.scheduler import Scheduler
 from server.engine.core.sequence import ScheduledBatch, Sequence
@@ -19,6 +20,7 @@ from server.engine.input_processor import InputProcessor
 from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
 from server.engine.request_state import RequestState
+from server.engine.sampling_defaults import SamplingDefaults
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
 from server.engine.structured_outputs.backend import StructuredOutputs
@@ -28,7 +30,15 @@ from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE
 from server.hpu.platform import Platform, detect_platform
 from server.models.errors import ModelFileError
-from server.models.loader import load_model, load_model_config, resolve_model_source
+from server.models.generation_config import generation_defaults
+from server.models.gguf import open_gguf
+from server.models.hub import with_local_model
+from server.models.loader import (
+    ModelSource,
+    load_model,
+    load_model_config,
+    resolve_model_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, on_fault: FaultListener | None = None) -> None:
         torch.manual_seed(config.model.seed)
+        config = with_local_model(config)  # a Hub id: its cached copy, for every rank
         platform = detect_platform(config.device.device)
         platform.prepare_process()
         # --tensor-parallel-size: the other ranks start first and load alongside this one
@@ -74,6 +85,8 @@ class LLMEngine:
             if quantization != found:
                 raise ValueError(f"--quantization {quantization}: the checkpoint is {found} "
                                  "(config.json's quantization_config)")
+        # read before the weights: a bad generation config stops start-up in a second
+        self.sampling_defaults = sampling_defaults_of(config.model, source)
         loaded = load_model(source, config.model.dtype, platform.device, parallel)
         cache_dir = writable_cache_dir(config.cache_dir)
         self.model_name = config.model.served_model_name or source.name
@@ -353,3 +366,20 @@ class LLMEngine:
 
     def _memory_bytes(self) -> int:
         return self.runner.memory.weights_bytes if self.runner.memory is not None else 0
+
+
+def sampling_defaults_of(options: ModelOptions, source: ModelSource) -> SamplingDefaults:
+    """The request defaults ``--generation-config`` gives, logged once as vLLM logs them."""
+    reader = (open_gguf(os.path.join(source.folder, source.gguf_file))
+              if source.gguf_file is not None else None)
+    found, where = generation_defaults(options.generation_config, source.folder, reader,
+                                       options.generation_overrides)
+    defaults = SamplingDefaults.from_fields(found, where)
+    if defaults.as_dict():
+        logger.warning("Default sampling parameters have been overridden by the model's "
+                       "generation config (%s): %s. Requests that leave these fields unset "
+                       "get them; relaunch with `--generation-config vllm` if this is not "
+                       "intended.", where, defaults.as_dict())
+    else:
+        logger.info("Default sampling parameters: the API's own (none from %s)", where)
+    return defaults

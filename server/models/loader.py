@@ -82,7 +82,7 @@ def resolve_model_source(model: str | None) -> ModelSource:
         raise MissingModelFileError(f"model folder {model}: no config.json and not exactly "
                                     "one .gguf file")
     raise MissingModelFileError(
-        f"model {model!r} is not a local folder or .gguf file (weights are never downloaded)"
+        f"model {model!r} is not a local folder or .gguf file"
     )
 
 

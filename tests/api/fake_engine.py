@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from server.engine.inputs import Offload, PromptBuilder
 from server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from server.engine.sampling_defaults import NO_DEFAULTS
 from server.engine.sampling_params import SamplingParams
 
 
@@ -59,6 +60,7 @@ class FakeEngine:
     model_name = "fake-model"
     max_model_len = 1024
     pooling = None  # a generative model
+    sampling_defaults = NO_DEFAULTS
 
     def __init__(self, script: list[str] | None = None) -> None:
         """``script``: the model's answer, piece by piece (one piece per step and token,

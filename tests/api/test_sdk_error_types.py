@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from server.api.app import build_app
 from server.config import ServerConfig
 from server.engine.errors import EngineDeadError, RequestFailedError
+from server.engine.sampling_defaults import NO_DEFAULTS
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -27,6 +28,7 @@ class StubEngine:
     model_name = "m"
     max_model_len = 64
     pooling = None  # a generative engine
+    sampling_defaults = NO_DEFAULTS
 
     def __init__(self, failure: BaseException | None) -> None:
         self.failure = failure

@@ -108,7 +108,8 @@ def test_probes_and_security(rendered) -> None:
     if name == "default":
         assert budget == 1800
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        scheme = {"scheme": "HTTPS"} if values.get("tls", {}).get("secretName") else {}
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http", **scheme}
     port = c["ports"][0]
     assert port["name"] == "http"
     assert port["containerPort"] == values.get(
@@ -247,6 +248,33 @@ def test_model_sources() -> None:
 
 def flag(args: list[str], name: str) -> str | None:
     return args[args.index(name) + 1] if name in args else None
+
+
+def test_tls_secret_reaches_the_daemon_probes_and_scrapes() -> None:
+    """tls.secretName: the Secret mounted, vLLM's --ssl-* flags pointing into it, probes and
+    the ServiceMonitor over HTTPS; unset: none of it."""
+    docs = render(load_values("all-on"))
+    c = container(docs)
+    assert flag(c["args"], "--ssl-certfile") == "/etc/hpu-serve-tls/tls.crt"
+    assert flag(c["args"], "--ssl-keyfile") == "/etc/hpu-serve-tls/tls.key"
+    assert flag(c["args"], "--ssl-ca-certs") == "/etc/hpu-serve-tls/ca.crt"
+    assert flag(c["args"], "--ssl-cert-reqs") == "1"
+    assert {"name": "tls", "mountPath": "/etc/hpu-serve-tls", "readOnly": True} in \
+        c["volumeMounts"]
+    volumes = {v["name"]: v for v in pod_template(docs)["spec"]["volumes"]}
+    assert volumes["tls"]["secret"] == {"secretName": "llama-gaudi-tls"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS"
+    endpoint = docs["ServiceMonitor"]["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https"
+    assert pod_template(docs)["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    off = container(render({}))
+    assert not any(a.startswith("--ssl") for a in off["args"])
+    assert "scheme" not in off["readinessProbe"]["httpGet"]  # Kubernetes' default: HTTP
+    # multi-host: only the leader serves HTTP, so only it gets the certificate
+    multi = render(dict(load_values("multihost"), tls={"secretName": "s"}))
+    assert flag(container(multi, "leader")["args"], "--ssl-certfile")
+    assert "tls" not in {m["name"] for m in container(multi, "worker")["volumeMounts"]}
 
 
 def test_single_host_tensor_parallel_on_eight_gaudi_cards() -> None:

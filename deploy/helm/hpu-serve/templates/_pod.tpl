@@ -17,6 +17,7 @@ PT_HPU_* / VLLM_* knobs from it), volumes and scheduling.
 {{- $backend := include "hpu-serve.executorBackend" $r -}}
 {{- $serves := ne $role "worker" -}}
 {{- $shm := or (eq $v.device "hpu") (gt (int $v.tensorParallelSize) 1) $v.multiHost.enabled -}}
+{{- $scheme := ternary ", scheme: HTTPS" "" (ne $v.tls.secretName "") -}}
 metadata:
   labels:
     {{- include "hpu-serve.selectorLabels" $r | nindent 4 }}
@@ -29,6 +30,9 @@ metadata:
     prometheus.io/scrape: "true"
     prometheus.io/port: {{ $v.service.port | quote }}
     prometheus.io/path: /metrics
+    {{- if $v.tls.secretName }}
+    prometheus.io/scheme: https
+    {{- end }}
     {{- end }}
     {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
@@ -149,6 +153,20 @@ spec:
         - --otlp-traces-endpoint
         - {{ . | quote }}
         {{- end }}
+        {{- with $v.tls.secretName }}
+        - --ssl-certfile
+        - /etc/hpu-serve-tls/{{ $v.tls.certKey }}
+        - --ssl-keyfile
+        - /etc/hpu-serve-tls/{{ $v.tls.keyKey }}
+        {{- with $v.tls.caSecretKey }}
+        - --ssl-ca-certs
+        - /etc/hpu-serve-tls/{{ . }}
+        {{- end }}
+        {{- if $v.tls.clientCertReqs }}
+        - --ssl-cert-reqs
+        - {{ $v.tls.clientCertReqs | quote }}
+        {{- end }}
+        {{- end }}
         {{- range $e.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -202,17 +220,17 @@ spec:
       {{- end }}
       {{- if $serves }}
       startupProbe:
-        httpGet: {path: /health, port: http}
+        httpGet: {path: /health, port: http{{ $scheme }}}
         periodSeconds: {{ $v.startupProbe.periodSeconds }}
         failureThreshold: {{ $v.startupProbe.failureThreshold }}
         timeoutSeconds: {{ $v.startupProbe.timeoutSeconds }}
       readinessProbe:
-        httpGet: {path: /health, port: http}
+        httpGet: {path: /health, port: http{{ $scheme }}}
         periodSeconds: {{ $v.readinessProbe.periodSeconds }}
         failureThreshold: {{ $v.readinessProbe.failureThreshold }}
         timeoutSeconds: {{ $v.readinessProbe.timeoutSeconds }}
       livenessProbe:
-        httpGet: {path: /health, port: http}
+        httpGet: {path: /health, port: http{{ $scheme }}}
         periodSeconds: {{ $v.livenessProbe.periodSeconds }}
         failureThreshold: {{ $v.livenessProbe.failureThreshold }}
         timeoutSeconds: {{ $v.livenessProbe.timeoutSeconds }}
@@ -238,6 +256,9 @@ spec:
         {{- end }}
         {{- if $v.bucketing.fromFile }}
         - {name: buckets, mountPath: /etc/hpu-serve, readOnly: true}
+        {{- end }}
+        {{- if and $serves $v.tls.secretName }}
+        - {name: tls, mountPath: /etc/hpu-serve-tls, readOnly: true}
         {{- end }}
         {{- if $shm }}
         - {name: dshm, mountPath: /dev/shm}
@@ -268,6 +289,11 @@ spec:
     - name: buckets
       configMap:
         name: {{ include "hpu-serve.fullname" $r }}-buckets
+    {{- end }}
+    {{- if and $serves $v.tls.secretName }}
+    - name: tls
+      secret:
+        secretName: {{ $v.tls.secretName }}
     {{- end }}
     {{- if $shm }}
     # multi-process torch (the ranks, HCCL, Ray's object store) needs a real /dev/shm; the
