@@ -25,6 +25,7 @@ from server.config.engine import (
     server_config_from_args,
 )
 from server.config.logging import LogFormat, LoggingConfig
+from server.config.lora import LoRAConfig
 from server.config.model import CacheConfig, GiB, ModelOptions
 from server.config.scheduler import MIN_BATCHED_TOKENS, SchedulerConfig, SchedulerLimits
 from server.config.server import (
@@ -40,7 +41,7 @@ from server.config.tracing import OtlpProtocol, TracingConfig
 __all__ = [
     "MIN_BATCHED_TOKENS", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
     "ChatOptions", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode", "FairShare",
-    "GiB", "LogFormat", "LoggingConfig", "ModelOptions", "OtlpProtocol", "ParallelConfig",
+    "GiB", "LoRAConfig", "LogFormat", "LoggingConfig", "ModelOptions", "OtlpProtocol", "ParallelConfig",
     "RequestLimits", "SchedulerConfig",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",
     "TracingConfig", "WarmupConfig", "add_engine_args", "add_server_args", "api_key_from_env",

@@ -11,6 +11,8 @@ from server.config.compat import GROUP as NO_OP_GROUP
 from server.config.compat import VllmNoOpFlags
 from server.config.device import DeviceConfig, ParallelConfig
 from server.config.fields import add_flags, build, knob, section
+from server.config.lora import GROUP as LORA_GROUP
+from server.config.lora import LoRAConfig
 from server.config.model import CacheConfig, ModelOptions
 from server.config.scheduler import SchedulerConfig
 from server.config.server import FairShare, ServerConfig
@@ -29,6 +31,7 @@ class EngineConfig:
     bucketing: BucketingConfig = section(BucketingConfig)
     parallel: ParallelConfig = section(ParallelConfig)
     structured_outputs: StructuredOutputsConfig = section(StructuredOutputsConfig)
+    lora: LoRAConfig = section(LoRAConfig, group=LORA_GROUP)
     vllm_no_op: VllmNoOpFlags = section(VllmNoOpFlags, group=NO_OP_GROUP)
     cache_dir: str | None = knob(
         None, env="HPU_SERVE_CACHE_DIR",

@@ -33,6 +33,7 @@ from server.engine.errors import (
 )
 from server.engine.inputs import Offload, PromptBuilder, PromptInput
 from server.engine.llm_engine import LLMEngine
+from server.engine.lora.request import LoRARequest
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
@@ -115,6 +116,26 @@ class AsyncEngine:
         future: Future[int] = Future()
         self._commands.put(CallOnEngineThread(self.engine.reset_prefix_cache, (), future))
         return await asyncio.wrap_future(future)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Reads and checks an adapter (on the engine thread, between steps) and serves it
+        under ``name`` from then on; a RequestError names what is wrong."""
+        request = self.engine.loras.new_request(name, path)
+        await self._on_engine(self.engine.add_lora, request)
+        self.engine.loras.add(request)
+        return request
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stops serving ``name`` (LoRANotFoundError if unknown); requests already queued
+        with it finish."""
+        request = self.engine.loras.remove(name)
+        await self._on_engine(self.engine.remove_lora, request.lora_int_id)
+
+    def lora_adapters(self) -> list[LoRARequest]:
+        return self.engine.loras.all()
+
+    def lora_adapter(self, name: str) -> LoRARequest | None:
+        return self.engine.loras.get(name)
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn(*args)`` on the engine thread between steps, awaited without blocking."""
@@ -219,6 +240,7 @@ class AsyncEngine:
     async def submit(
         self, request_id: str, prompt: str | list[int] | PromptBuilder,
         params: SamplingParams | None = None, client: str = "", offload: Offload | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validates (raising RequestError) and queues a request; iterate the result.
 
@@ -245,7 +267,7 @@ class AsyncEngine:
         def prepare() -> RequestState:  # on a worker thread
             given = build()
             return self.engine.prepare(request_id, given.prompt, given.params, arrival,
-                                       client, grammar=False)
+                                       client, grammar=False, lora_request=lora_request)
 
         self._transit(+1)
         try:
