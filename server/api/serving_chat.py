@@ -53,7 +53,7 @@ from server.engine.sampling_params import SamplingParams
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
 ) -> Response | AsyncIterator[str]:
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -88,7 +88,8 @@ async def create_chat_completion(
         return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text))
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
-    stream = tapped(await submit(ctx, tag, build, params.n), request_tap(ctx, params, tag))
+    stream = tapped(await submit(ctx, tag, build, params.n, lora=lora),
+                    request_tap(ctx, params, tag))
     response_id = f"chatcmpl-{tag.request_id}"
 
     def reader() -> ChoiceReader:

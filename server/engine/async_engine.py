@@ -131,6 +131,12 @@ class AsyncEngine:
         request = self.engine.loras.remove(name)
         await self._on_engine(self.engine.remove_lora, request.lora_int_id)
 
+    @property
+    def runtime_lora_updating(self) -> bool:
+        """VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+        are served."""
+        return self.engine.lora_config.allow_runtime_lora_updating
+
     def lora_adapters(self) -> list[LoRARequest]:
         return self.engine.loras.all()
 

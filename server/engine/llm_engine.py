@@ -104,6 +104,7 @@ class LLMEngine:
                                    max_loras=(config.lora.max_loras
                                               if config.lora.enable_lora else None))
         # --enable-lora: the adapters served by name (--lora-modules, /v1/load_lora_adapter)
+        self.lora_config = config.lora
         self.loras = LoRARegistry()
         for module in config.lora.modules:
             request = self.loras.new_request(module.name, module.path, module.base_model_name)
