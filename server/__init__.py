@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from server.engine.llm import LLM
+    from server.engine.lora.request import LoRARequest
     from server.engine.sampling_params import SamplingParams
 
 
@@ -21,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from server.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from server.engine.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from server.engine.sampling_params import SamplingParams
 

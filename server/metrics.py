@@ -7,6 +7,7 @@ graph-compile and bucket-miss counters) register into the same ``registry``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,6 +71,14 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric([self._model], value)
             yield counter
+        max_lora = getattr(s, "max_lora", 0)
+        if max_lora:  # --enable-lora: vLLM's info gauge (the value: when it was read)
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            info.add_metric([str(max_lora), ",".join(s.waiting_lora_adapters),
+                             ",".join(s.running_lora_adapters)], time.time())
+            yield info
 
 
 class ServerMetrics:

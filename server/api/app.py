@@ -19,6 +19,7 @@ from server.api.anthropic import add_anthropic_routes
 from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
 from server.api.load import install_load_tracking
+from server.api.lora_routes import add_lora_routes
 from server.api.middleware import GuardMiddleware
 from server.api.openapi import install_openapi
 from server.api.pooling.routes import add_pooling_routes
@@ -53,6 +54,7 @@ from server.api.tools import template_messages
 from server.api.tracing import RequestTracer
 from server.api.workers import PreprocessPool
 from server.config import FairShare, ServerConfig
+from server.engine.lora.request import LoRARequest
 from server.metrics import ServerMetrics
 
 # How often the event loop checks how late it wakes (hpu_serve:event_loop_lag_seconds).
@@ -99,6 +101,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
     _add_routes(app, ctx)
     add_sleep_routes(app, engine)
     add_responses_routes(app, ctx, cfg.responses)
+    add_lora_routes(app, engine)
     install_openapi(app)
     install_load_tracking(app, cfg.enable_server_load_tracking)
     app.add_middleware(
@@ -162,17 +165,24 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         return ModelCard(id=ctx.model_name, root=ctx.model_name,
                          max_model_len=ctx.max_model_len)
 
+    def adapter_card(lora: LoRARequest) -> ModelCard:  # vLLM's: parent is the base model
+        return ModelCard(id=lora.lora_name, root=lora.lora_path,
+                         parent=lora.base_model_name or ctx.model_name)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card()] + [adapter_card(a) for a in ctx.engine.lora_adapters()])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         """One model, as OpenAI's retrieve answers (an id may hold slashes: org/name)."""
-        if model_id != ctx.model_name:
+        if model_id == ctx.model_name:
+            return card()
+        lora = ctx.engine.lora_adapter(model_id)
+        if lora is None:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model",
                            "model_not_found")
-        return card()
+        return adapter_card(lora)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> ResetPrefixCacheResponse:

@@ -403,6 +403,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "hpu-serve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
     max_model_len: int | None = None
 
 

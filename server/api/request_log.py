@@ -146,10 +146,12 @@ class LoggedEngine:
 
     async def submit(self, request_id: str, prompt: str | list[int] | PromptBuilder,
                      params: SamplingParams | None = None, client: str = "",
-                     offload: Offload | None = None) -> AsyncIterator[RequestOutput]:
+                     offload: Offload | None = None, lora_request: Any = None
+                     ) -> AsyncIterator[RequestOutput]:
         record = _record.get()
         if record is None:
-            return await self._engine.submit(request_id, prompt, params, client, offload)
+            return await self._engine.submit(request_id, prompt, params, client, offload,
+                                             lora_request=lora_request)
         build = prompt if callable(prompt) else _builder(prompt, params)
 
         def noted() -> PromptInput:  # on a worker thread, while the request is built
@@ -157,7 +159,8 @@ class LoggedEngine:
             self._note(record, given)
             return given
 
-        stream = await self._engine.submit(request_id, noted, client=client, offload=offload)
+        stream = await self._engine.submit(request_id, noted, client=client, offload=offload,
+                                           lora_request=lora_request)
         return _observed(stream, record, self._log.with_text)
 
     def _note(self, record: RequestRecord, given: PromptInput) -> None:

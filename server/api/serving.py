@@ -28,6 +28,7 @@ from server.api.tracing import RequestTracer, TraceHook
 from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 from server.config import ChatOptions, RequestLimits
 from server.engine.inputs import Offload, PromptBuilder
+from server.engine.lora.request import LoRARequest
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.pooling.params import PoolingModelInfo
 from server.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
@@ -71,9 +72,16 @@ class EngineClient(Protocol):
 
     async def submit(self, request_id: str, prompt: str | list[int] | PromptBuilder,
                      params: SamplingParams | None = None, client: str = "",
-                     offload: Offload | None = None) -> AsyncIterator[RequestOutput]:
+                     offload: Offload | None = None, lora_request: LoRARequest | None = None
+                     ) -> AsyncIterator[RequestOutput]:
         """Queues a request: ``prompt`` is built (if a builder), tokenized and checked in
-        one job run by ``offload``."""
+        one job run by ``offload``; ``lora_request``: the adapter it runs with."""
+
+    def lora_adapter(self, name: str) -> LoRARequest | None:
+        """The adapter served under ``name`` (--enable-lora), if any."""
+
+    def lora_adapters(self) -> list[LoRARequest]:
+        """Every adapter served by name, for /v1/models."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -147,9 +155,14 @@ class RequestTag:
         return base if index is None else f"{base}-{index}"
 
 
-def check_model(ctx: ServingContext, name: str | None) -> None:
-    if name is not None and name != ctx.model_name:
+def check_model(ctx: ServingContext, name: str | None) -> LoRARequest | None:
+    """The adapter a request's ``model`` names (None: the base model); 404 if neither."""
+    if name is None or name == ctx.model_name:
+        return None
+    lora = ctx.engine.lora_adapter(name)
+    if lora is None:
         raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+    return lora
 
 
 def refuse_generation(ctx: ServingContext) -> None:
@@ -247,7 +260,8 @@ def build_sampling_params(
 
 
 async def submit(ctx: ServingContext, tag: RequestTag, build: PromptBuilder, n: int,
-                 index: int | None = None) -> AsyncIterator[RequestOutput]:
+                 index: int | None = None, lora: LoRARequest | None = None
+                 ) -> AsyncIterator[RequestOutput]:
     """Queues one prompt's request of ``n`` sequences, which count against the client until
     its stream ends (429 past --max-client-seqs, 503 once the waiting queue is full).
     ``build`` makes the prompt (renders a template, tokenizes text): the engine runs it with
@@ -256,7 +270,8 @@ async def submit(ctx: ServingContext, tag: RequestTag, build: PromptBuilder, n: 
     lease = ctx.clients.admit(tag.client, n, num_waiting, ctx.max_waiting_requests)
     try:
         stream = await ctx.engine.submit(tag.engine_id(index), build, client=tag.client,
-                                         offload=ctx.workers.offload(tag.client))
+                                         offload=ctx.workers.offload(tag.client),
+                                         lora_request=lora)
     except BaseException:
         lease.release()
         raise

@@ -97,7 +97,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
     """Checks ``req``, renders its prompt (on a worker) and queues it: 400s, 429s and 503s
     are raised here, before anything is answered."""
     refuse_generation(ctx)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -124,7 +124,8 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
         return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text))
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
-    stream = tapped(await submit(ctx, tag, build, params.n), request_tap(ctx, params, tag))
+    stream = tapped(await submit(ctx, tag, build, params.n, lora=lora),
+                    request_tap(ctx, params, tag))
     return ChatRun(stream, plan, ctx.reasoning_parser)
 
 

@@ -75,7 +75,7 @@ async def create_completion(
     ctx: ServingContext, req: CompletionRequest, tag: RequestTag
 ) -> Response | AsyncIterator[str]:
     refuse_generation(ctx)
-    check_model(ctx, req.model)
+    lora = check_model(ctx, req.model)
     reject_unsupported(req, chat=False)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
@@ -100,7 +100,7 @@ async def create_completion(
         for i, prompt in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
             stream = await submit(ctx, tag, _builder(ctx, prompt, field, params), params.n,
-                                  index=i)
+                                  index=i, lora=lora)
             index = i if len(prompts) > 1 else None
             streams.append(tapped(stream, request_tap(ctx, params, tag, index)))
     except BaseException:

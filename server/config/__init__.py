@@ -25,6 +25,7 @@ from server.config.engine import (
     server_config_from_args,
 )
 from server.config.logging import LogFormat, LoggingConfig
+from server.config.lora import LoRAConfig
 from server.config.model import CacheConfig, GiB, ModelOptions
 from server.config.pooling import Convert, PoolingConfig, Runner
 from server.config.responses import ResponsesStoreConfig
@@ -42,9 +43,9 @@ from server.config.tracing import OtlpProtocol, TracingConfig
 __all__ = [
     "MIN_BATCHED_TOKENS", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
     "ChatOptions", "Convert", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode",
-    "FairShare", "GiB", "LogFormat", "LoggingConfig", "ModelOptions", "OtlpProtocol",
-    "ParallelConfig", "PoolingConfig", "RequestLimits", "ResponsesStoreConfig", "Runner",
-    "SchedulerConfig",
+    "FairShare", "GiB", "LoRAConfig", "LogFormat", "LoggingConfig", "ModelOptions",
+    "OtlpProtocol", "ParallelConfig", "PoolingConfig", "RequestLimits", "ResponsesStoreConfig",
+    "Runner", "SchedulerConfig",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",
     "TracingConfig", "WarmupConfig", "add_engine_args", "add_server_args", "api_key_from_env",
     "bucketing_config_from_env", "engine_config_from_args", "make_engine_config",

@@ -11,6 +11,8 @@ from server.config.compat import GROUP as NO_OP_GROUP
 from server.config.compat import VllmNoOpFlags
 from server.config.device import DeviceConfig, ParallelConfig
 from server.config.fields import add_flags, build, knob, section
+from server.config.lora import GROUP as LORA_GROUP
+from server.config.lora import LoRAConfig
 from server.config.model import CacheConfig, ModelOptions
 from server.config.pooling import PoolingConfig
 from server.config.scheduler import SchedulerConfig
@@ -31,6 +33,7 @@ class EngineConfig:
     parallel: ParallelConfig = section(ParallelConfig)
     structured_outputs: StructuredOutputsConfig = section(StructuredOutputsConfig)
     pooling: PoolingConfig = section(PoolingConfig)
+    lora: LoRAConfig = section(LoRAConfig, group=LORA_GROUP)
     vllm_no_op: VllmNoOpFlags = section(VllmNoOpFlags, group=NO_OP_GROUP)
     cache_dir: str | None = knob(
         None, env="HPU_SERVE_CACHE_DIR",

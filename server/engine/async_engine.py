@@ -33,6 +33,7 @@ from server.engine.errors import (
 )
 from server.engine.inputs import Offload, PromptBuilder, PromptInput
 from server.engine.llm_engine import LLMEngine
+from server.engine.lora.request import LoRARequest
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.pooling.engine import PoolingEngine
 from server.engine.pooling.params import PoolingModelInfo
@@ -120,6 +121,32 @@ class AsyncEngine:
         future: Future[int] = Future()
         self._commands.put(CallOnEngineThread(self.engine.reset_prefix_cache, (), future))
         return await asyncio.wrap_future(future)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Reads and checks an adapter (on the engine thread, between steps) and serves it
+        under ``name`` from then on; a RequestError names what is wrong."""
+        request = self.engine.loras.new_request(name, path)
+        await self._on_engine(self.engine.add_lora, request)
+        self.engine.loras.add(request)
+        return request
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stops serving ``name`` (LoRANotFoundError if unknown); requests already queued
+        with it finish."""
+        request = self.engine.loras.remove(name)
+        await self._on_engine(self.engine.remove_lora, request.lora_int_id)
+
+    @property
+    def runtime_lora_updating(self) -> bool:
+        """VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+        are served."""
+        return self.engine.lora_config.allow_runtime_lora_updating
+
+    def lora_adapters(self) -> list[LoRARequest]:
+        return self.engine.loras.all()
+
+    def lora_adapter(self, name: str) -> LoRARequest | None:
+        return self.engine.loras.get(name)
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn(*args)`` on the engine thread between steps, awaited without blocking."""
@@ -234,6 +261,7 @@ class AsyncEngine:
     async def submit(
         self, request_id: str, prompt: str | list[int] | PromptBuilder,
         params: SamplingParams | None = None, client: str = "", offload: Offload | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validates (raising RequestError) and queues a request; iterate the result.
 
@@ -260,7 +288,7 @@ class AsyncEngine:
         def prepare() -> RequestState:  # on a worker thread
             given = build()
             return self.engine.prepare(request_id, given.prompt, given.params, arrival,
-                                       client, grammar=False)
+                                       client, grammar=False, lora_request=lora_request)
 
         self._transit(+1)
         try:

@@ -15,6 +15,7 @@ from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import Sequence
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import RequestError
+from server.engine.lora.request import LoRARequest
 from server.engine.outputs import CompletionOutput, RequestMetrics
 from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
@@ -47,7 +48,7 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int],
                 params: SamplingParams | None = None,
                 arrival_time: float | None = None, client: str = "",
-                grammar: bool = True) -> RequestState:
+                grammar: bool = True, lora: LoRARequest | None = None) -> RequestState:
         """``grammar``: compile the request's constraint here (blocking, within the
         bounds of ``--grammar-compile-timeout``); False: only check it against the caps,
         and leave :meth:`start_grammar` / :meth:`attach_grammar` to the caller."""
@@ -72,7 +73,7 @@ class InputProcessor:
                 "bad_words_token_ids": self._bad_words_ids(params.bad_words)})
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now,
-                         client=client)
+                         client=client, lora=lora)
                 for i in range(params.n)]
         state = RequestState(
             request_id, prompt_text, prompt_ids, params, seqs,

@@ -12,6 +12,7 @@ from server.config import make_engine_config
 from server.config.compat import ignored_flags
 from server.engine.executor.mp import refuse_engine_in_worker
 from server.engine.llm_engine import LLMEngine
+from server.engine.lora.request import LoRARequest
 from server.engine.outputs import RequestOutput
 from server.engine.pooling import offline
 from server.engine.pooling.engine import PoolingEngine
@@ -63,9 +64,11 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given: each step's deltas
-        accumulated into whole completions."""
+        accumulated into whole completions. ``lora_request``: the adapter of every prompt,
+        or one per prompt (None: the base model), as vLLM's (``enable_lora=True``)."""
         if isinstance(self.engine, PoolingEngine):
             raise ValueError("this model is served by the pooling runner (runner='pooling'): "
                              "use embed, classify or score")
@@ -73,10 +76,14 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompt_list))
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompt_list))
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"{len(loras)} lora_request for {len(prompt_list)} prompts")
         request_ids = []
-        for prompt, p in zip(prompt_list, params):
+        for prompt, p, lora in zip(prompt_list, params, loras):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p)
+            self.engine.add_request(request_id, prompt, p, lora_request=lora)
             request_ids.append(request_id)
         results: dict[str, RequestOutput] = {}
         try:

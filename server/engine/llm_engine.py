@@ -17,6 +17,8 @@ from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.errors import EngineFaultError, EngineSleepingError, RequestError
 from server.engine.executor import FaultListener, RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
+from server.engine.lora.registry import LoRARegistry
+from server.engine.lora.request import LoRARequest
 from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
 from server.engine.request_state import RequestState
@@ -39,6 +41,7 @@ from server.models.loader import (
     load_model_config,
     resolve_model_source,
 )
+from server.models.lora import AdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,9 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, platform: Platform) -> None:
+        if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported "
+                             "yet")
         parallel = self.executor.parallel if self.executor is not None else SINGLE
         source = resolve_model_source(config.model.model)
         quantization = config.model.quantization
@@ -107,7 +113,16 @@ class LLMEngine:
         assert self.block_manager.pad_block_id == self.runner.pad_block_id
         self.scheduler = Scheduler(self.limits, self.block_manager,
                                    self.runner.prefill_fits if self.runner.shapes else None,
-                                   fuse_decodes=self.runner.packs_tokens)
+                                   fuse_decodes=self.runner.packs_tokens,
+                                   max_loras=(config.lora.max_loras
+                                              if config.lora.enable_lora else None))
+        # --enable-lora: the adapters served by name (--lora-modules, /v1/load_lora_adapter)
+        self.lora_config = config.lora
+        self.loras = LoRARegistry()
+        for module in config.lora.modules:
+            request = self.loras.new_request(module.name, module.path, module.base_model_name)
+            self.add_lora(request)
+            self.loras.add(request)
         self._structured: StructuredOutputs | None = None
         self._structured_config = config.structured_outputs
         self._structured_lock = threading.Lock()
@@ -155,9 +170,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         client: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues a request; raises RequestError if it can never be served."""
-        self.enqueue(self.prepare(request_id, prompt, params, arrival_time, client))
+        self.enqueue(self.prepare(request_id, prompt, params, arrival_time, client,
+                                  lora_request=lora_request))
 
     def prepare(
         self,
@@ -167,12 +184,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         client: str = "",
         grammar: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         """Tokenizes and validates without touching engine state: safe from any thread.
         ``grammar=False``: the constraint is only checked, for the caller to compile
         (``input_processor.start_grammar``) without holding this thread."""
+        if lora_request is not None and self.runner.lora is None:
+            raise RequestError("LoRA adapters are not enabled (--enable-lora)", "model")
         return self.input_processor.process(request_id, prompt, params, arrival_time, client,
-                                            grammar)
+                                            grammar, lora_request)
 
     def enqueue(self, state: RequestState) -> None:
         """Queues a prepared request (engine thread only)."""
@@ -180,9 +200,27 @@ class LLMEngine:
             raise EngineSleepingError("the engine is sleeping (POST /wake_up to resume)")
         if state.request_id in self.output_processor.requests:
             raise RequestError(f"request id {state.request_id!r} is already in use", "request_id")
+        lora = state.seqs[0].lora if state.seqs else None
+        if lora is not None:  # read and checked here, on the runner's thread
+            self.add_lora(lora)
         self.output_processor.add(state)
         for seq in state.seqs:
             self.scheduler.add(seq)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Reads and checks an adapter into host memory (engine thread); a RequestError
+        names what is wrong with it."""
+        if self.runner.lora is None:
+            raise RequestError("LoRA adapters are not enabled (--enable-lora)", "model")
+        try:
+            self.runner.lora.load(request)
+        except AdapterError as exc:
+            raise RequestError(str(exc), "lora_path") from None
+
+    def remove_lora(self, adapter_id: int) -> None:
+        """Drops an adapter's host copy and device slot (engine thread)."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(adapter_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request wherever it is and frees its blocks; its final output or None."""
@@ -288,8 +326,16 @@ class LLMEngine:
         return EngineStats(
             self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
             bm.num_blocks, bm.usage, self.scheduler.num_preemptions,
-            bm.stats.queries, bm.stats.hits,
+            bm.stats.queries, bm.stats.hits, *self._lora_stats(),
         )
+
+    def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+        if self.scheduler.max_loras is None:
+            return (), (), 0
+        running = {s.lora.lora_name for s in self.scheduler.running if s.lora is not None}
+        waiting = {s.lora.lora_name for s in list(self.scheduler.waiting)
+                   if s.lora is not None}
+        return tuple(sorted(running)), tuple(sorted(waiting)), self.scheduler.max_loras
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stops the other tensor-parallel ranks: told to stop when ``graceful`` (call it

@@ -130,6 +130,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int = 0  # prompt tokens looked up (cumulative)
     prefix_cache_hits: int = 0  # of which found cached
+    # --enable-lora (vLLM's lora_requests_info): adapter names running / waiting, slots
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclass(slots=True)

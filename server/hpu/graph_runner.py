@@ -37,6 +37,8 @@ class ForwardInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [bs] flat index of each row's last token (pads: 0)
     num_seqs: int  # real rows; the rest is padding
+    # --enable-lora: each token's adapter slot ([bs * q], 0: none); None without LoRA
+    lora_slots: torch.Tensor | None = None
 
 
 ForwardFn = Callable[[ForwardInputs], torch.Tensor]

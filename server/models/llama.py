@@ -11,6 +11,7 @@ from server.hpu.attention import AttentionMetadata
 from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import Rope, TorchLayerOps
 from server.models.config import ModelConfig
+from server.models.lora import LayerLoRA, LoRASite, LoRASlots
 from server.models.moe import SparseMoeBlock
 from server.models.rotary import RotaryEmbedding
 
@@ -49,6 +50,7 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap  # Gemma 2
         self.window = cfg.layer_window(index)  # sliding-window layers (Mistral, Gemma 2/3)
         self.ops: TorchLayerOps = _TORCH_OPS
+        self.lora: LayerLoRA | None = None  # --enable-lora: the layer's adapter slots
 
     def forward(
         self,
@@ -56,10 +58,15 @@ class Attention(nn.Module):
         rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x ``[bs, q, hidden]`` (q == 1 for decode) -> same shape."""
+        """x ``[bs, q, hidden]`` (q == 1 for decode) -> same shape; ``lora_mask``: each
+        token row's adapter slot, one-hot (see server/models/lora)."""
         bs, q_len, _ = x.shape
-        qkv = self.qkv_proj(x.view(bs * q_len, -1))
+        flat = x.view(bs * q_len, -1)
+        qkv = self.qkv_proj(flat)
+        if self.lora is not None:
+            qkv = self.lora.apply(LoRASite.QKV, flat, qkv, lora_mask)
         if self.q_norm is not None:
             qkv = self._norm_qk(qkv)
         query, key, value = self.ops.rotary_write_kv(qkv, rope, kv_cache, meta, self.num_heads,
@@ -70,7 +77,10 @@ class Attention(nn.Module):
         else:
             out = self.ops.decode_attention(query, kv_cache, meta, self.scale, self.softcap,
                                             self.window)
-        return self.o_proj(out.reshape(bs, q_len, self.q_size))
+        out = out.reshape(bs, q_len, self.q_size)
+        if self.lora is None:
+            return self.o_proj(out)
+        return self.lora.apply(LoRASite.O, out, self.o_proj(out), lora_mask)
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3's (and Gemma 3's) per-head RMSNorm of q and k (v untouched), ahead of
@@ -91,12 +101,17 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gelu = cfg.mlp_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
         self.ops: TorchLayerOps = _TORCH_OPS
+        self.lora: LayerLoRA | None = None  # --enable-lora: the layer's adapter slots
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            gate_up = self.lora.apply(LoRASite.GATE_UP, x, gate_up, lora_mask)
         act = self.ops.gelu_tanh_and_mul(gate_up) if self.gelu else \
             self.ops.silu_and_mul(gate_up)
-        return self.down_proj(act)
+        if self.lora is None:
+            return self.down_proj(act)
+        return self.lora.apply(LoRASite.DOWN, act, self.down_proj(act), lora_mask)
 
 
 class DecoderLayer(nn.Module):
@@ -125,24 +140,30 @@ class DecoderLayer(nn.Module):
         rope: Rope,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: ``x`` is the previous layer's MLP output (the embeddings, on
         a zero stream, for the first layer); returns this layer's MLP output and the stream.
         Each residual add is fused with the norm that follows it, and every layer runs the
         same code (one compiled graph serves them all)."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
+        x = self.self_attn(x, rope, kv_cache, meta, lora_mask)
         if self.sandwich:
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x),
                                                          residual)
-            return self.post_feedforward_layernorm(self.mlp(x)), residual
+            return self.post_feedforward_layernorm(self._mlp(x, lora_mask)), residual
         if self.residual_multiplier != 1.0:  # Granite
             x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp(x)
+        x = self._mlp(x, lora_mask)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         return x, residual
+
+    def _mlp(self, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(self.mlp, MLP):
+            return self.mlp(x, lora_mask)
+        return self.mlp(x)  # experts take no adapters
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.lora_slots: LoRASlots | None = None
 
     def forward(
         self,
@@ -167,8 +189,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``."""
+        """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``;
+        ``lora_slots``: each token's adapter slot (0: none), with :meth:`enable_lora`."""
         x = self.embed_tokens(input_ids)
         cfg = self.config
         if cfg.embedding_multiplier != 1.0:  # Granite, Gemma
@@ -180,9 +204,11 @@ class LlamaForCausalLM(nn.Module):
         local_rope = (self.rotary_local(positions.reshape(-1), x.dtype)
                       if self.rotary_local is not None else rope)
         residual = torch.zeros_like(x)  # 0 + x is exact: the first add changes nothing
+        lora_mask = (self.lora_slots.mask(lora_slots)
+                     if self.lora_slots is not None and lora_slots is not None else None)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, local_rope if layer.local_rope else rope,
-                                kv_cache, meta)
+                                kv_cache, meta, lora_mask)
         return self.norm(x, residual)[0]
 
     def build_rotary(self, device: torch.device | None = None
@@ -213,6 +239,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             if layer.self_attn.window is not None and layer.self_attn.window >= max_model_len:
                 layer.self_attn.window = None
+
+    def enable_lora(self, slots: LoRASlots) -> None:
+        """Gives every layer's projections its adapter slots (``--enable-lora``): from then
+        on each forward adds each token's adapter, the slot index tensor an input."""
+        self.lora_slots = slots
+        for layer, layer_slots in zip(self.layers, slots.layers):
+            layer.self_attn.lora = layer_slots
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.lora = layer_slots
 
     def use_ops(self, ops: TorchLayerOps) -> None:
         """Routes every layer's fusable operations to ``ops`` (see layer_ops.py)."""

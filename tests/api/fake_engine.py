@@ -88,12 +88,19 @@ class FakeEngine:
     def stalled_for(self) -> float:
         return 0.0
 
+    def lora_adapter(self, name: str) -> None:
+        return None
+
+    def lora_adapters(self) -> list[Any]:
+        return []
+
     def observed_shapes(self) -> dict[str, Any]:
         return {"format": "hpu-serve/observed-shapes/v1", "phases": {}, "warmup_seconds": {}}
 
     async def submit(self, request_id: str, prompt: str | list[int] | PromptBuilder,
                      params: SamplingParams | None = None, client: str = "",
-                     offload: Offload | None = None) -> AsyncIterator[RequestOutput]:
+                     offload: Offload | None = None,
+                     lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         if callable(prompt):  # built as the real engine does: one job on the offload
             given = await (offload or asyncio.to_thread)(prompt)
             prompt, params = given.prompt, given.params

@@ -46,12 +46,16 @@ class StubEngine:
         pass
 
     async def submit(self, request_id: str, prompt: object, params: object = None,
-                     client: str = "", offload: object = None) -> AsyncIterator[object]:
+                     client: str = "", offload: object = None,
+                     lora_request: object = None) -> AsyncIterator[object]:
         assert self.failure is not None
         raise self.failure
 
     def abort(self, request_id: str) -> None:
         pass
+
+    def lora_adapter(self, name: str) -> None:
+        return None
 
     def stalled_for(self) -> float:
         return 0.0

@@ -18,12 +18,22 @@ from dataclasses import dataclass
 from server.engine.core.sequence import Sequence
 
 
-def chain_root(cache_salt: str | None) -> bytes:
-    """Where a sequence's chain of block hashes starts: the request's ``cache_salt`` goes into
-    the first block's name (so every later one's), as vLLM does."""
-    if cache_salt is None:
+def chain_root(cache_salt: str | None, lora_id: int | None = None) -> bytes:
+    """Where a sequence's chain of block hashes starts: the request's ``cache_salt`` and its
+    LoRA adapter go into the first block's name (so every later one's), as vLLM's extra keys
+    do: two adapters never share K/V (the same tokens give other keys and values)."""
+    if cache_salt is None and lora_id is None:
         return b""
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8")).digest()
+    h = hashlib.sha256()
+    if cache_salt is not None:
+        h.update(b"cache_salt\0" + cache_salt.encode("utf-8"))
+    if lora_id is not None:
+        h.update(b"\0lora\0" + str(lora_id).encode())
+    return h.digest()
+
+
+def seq_root(seq: Sequence) -> bytes:
+    return chain_root(seq.params.cache_salt, seq.lora.lora_int_id if seq.lora else None)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -138,7 +148,7 @@ class BlockManager:
             return
         tokens = seq.all_token_ids
         size = self.block_size
-        root = chain_root(seq.params.cache_salt)
+        root = seq_root(seq)
         for i in range(len(seq.block_hashes), num_written // size):
             parent = seq.block_hashes[-1] if seq.block_hashes else root
             digest = block_hash(parent, tokens[i * size:(i + 1) * size])
@@ -182,7 +192,7 @@ class BlockManager:
         size = self.block_size
         usable = (len(tokens) - 1) // size  # at least one token left to compute
         hits: list[int] = []
-        parent = chain_root(seq.params.cache_salt)
+        parent = seq_root(seq)
         for i in range(usable):
             parent = block_hash(parent, tokens[i * size:(i + 1) * size])
             block = self._by_hash.get(parent)

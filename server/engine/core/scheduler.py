@@ -54,8 +54,13 @@ class Scheduler:
         block_manager: BlockManager,
         prefill_fits: Callable[[int, int], bool] | None = None,
         fuse_decodes: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         self.limits = limits
+        # --enable-lora: distinct adapters among the running sequences, at most (the device
+        # slots); a request whose adapter would be one too many waits, later ones may pass
+        self.max_loras = max_loras
+        self._pass_loras: set[int] = set()  # adapters admitted by the current pass
         # chunked prefill: decodes join the step's prompt chunks as one-token chunks of one
         # batch (the runner packs them into a single forward, eager CPU)
         self.fuse_decodes = fuse_decodes and limits.chunked_prefill
@@ -154,6 +159,7 @@ class Scheduler:
         return removed
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        self._pass_loras.clear()
         seqs: list[Sequence] = []
         num_tokens = 0
         longest = 0
@@ -216,6 +222,7 @@ class Scheduler:
             add(seq, chunk, seq.num_computed_tokens > 0)
             budget -= chunk
         admitted: list[Sequence] = []
+        self._pass_loras.clear()
         counts = self._running_counts()
         while (self.waiting and budget > 0
                and len(self.running) + len(admitted) < self.limits.max_num_seqs):
@@ -289,9 +296,25 @@ class Scheduler:
     def _next_waiting(self, counts: Counter[str], last: Sequence | None) -> Sequence | None:
         """The sequence to admit next: the queue's head, or with fair share the head of the
         least served client (``counts``: running, with this pass's admissions)."""
+        if self.max_loras is None:
+            return self.waiting[0] if not self.fair else self._queues.pick(counts, after=last)
+        active = self.running_loras() | self._pass_loras
         if not self.fair:
-            return self.waiting[0]
-        return self._queues.pick(counts, after=last)
+            for seq in self.waiting:
+                if seq.status is SequenceStatus.WAITING and self._lora_fits(seq, active):
+                    return seq
+            return None
+        seq = self._queues.pick(counts, after=last)
+        return seq if seq is None or self._lora_fits(seq, active) else None
+
+    def running_loras(self) -> set[int]:
+        """Ids of the adapters the running sequences use."""
+        return {s.lora.lora_int_id for s in self.running if s.lora is not None}
+
+    def _lora_fits(self, seq: Sequence, active: set[int]) -> bool:
+        assert self.max_loras is not None
+        return (seq.lora is None or seq.lora.lora_int_id in active
+                or len(active) < self.max_loras)
 
     def _admit(self, seq: Sequence, plan: AllocationPlan, counts: Counter[str]) -> None:
         """Moves ``seq`` (from ``_next_waiting``) out of the queue and gives it its blocks."""
@@ -303,6 +326,8 @@ class Scheduler:
             self._queues.pop(seq)
             counts[seq.client] += 1
         self.block_manager.allocate(seq, plan)
+        if seq.lora is not None:
+            self._pass_loras.add(seq.lora.lora_int_id)
         seq.status = SequenceStatus.RUNNING
         self._admitted_at[seq.seq_id] = self._step
 

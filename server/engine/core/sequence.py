@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.engine.lora.request import LoRARequest
 from server.engine.outputs import FinishReason, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.hpu.types import Phase
@@ -54,6 +55,8 @@ class Sequence:
     num_computed_tokens: int = 0
     # Who sent it (the server's --fair-share key; "" offline): fair admission and preemption
     client: str = ""
+    # the adapter it runs with (--enable-lora; None: the base model)
+    lora: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:

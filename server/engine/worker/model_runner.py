@@ -9,6 +9,7 @@ with :func:`server.engine.worker.builder.build_model_runner`, as every rank does
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -20,6 +21,7 @@ import torch
 from server.config import EngineConfig, SchedulerLimits
 from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import ScheduledBatch, Sequence
+from server.engine.lora.manager import LoRAManager, lora_dtype
 from server.engine.outputs import ModelRunnerOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
@@ -40,6 +42,7 @@ from server.hpu.types import Bucket, BucketLimits, DecodeLayout, Phase, SyncPoin
 from server.hpu.warmup import WarmupHooks, run_warmup
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import LoadedModel
+from server.models.lora import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ class ModelForward:
         self.kv_caches = kv_caches
 
     def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                            inputs.lora_slots)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.logits_indices)
         return self.model.compute_logits(hidden)
 
@@ -93,6 +97,15 @@ class ModelRunner:
             ops = TorchLayerOps()
         loaded.model.serve_context(limits.max_model_len)
         loaded.model.use_ops(ops)
+        # --enable-lora: fixed adapter slots in every layer, before any graph is built
+        self.lora: LoRAManager | None = None
+        if config.lora.enable_lora:
+            slots = LoRASlots(cfg, config.lora.max_loras, config.lora.max_lora_rank,
+                              lora_dtype(config.lora.lora_dtype, loaded.dtype), platform.device)
+            loaded.model.enable_lora(slots)
+            self.lora = LoRAManager(config.lora, cfg, slots)
+            logger.info("LoRA: %d slots of rank %d, %.1f MiB", slots.num_slots,
+                        slots.max_rank, slots.nbytes / 2**20)
         # every rank must hold the same blocks (rank 0's block tables address them all)
         self.num_blocks = parallel.min_int(self._num_blocks(config, loaded, limits))
         self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
@@ -184,6 +197,9 @@ class ModelRunner:
                                          bucket.blocks if self.graphs.needs_warmup else None)
         else:
             inputs = self.inputs.decode(seqs, pad_to)
+        if self.lora is not None:
+            inputs = self._with_lora(inputs, seqs, new_tokens,
+                                     phase is Phase.PREFILL and self.packs_tokens)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         scored = scored_chunks(seqs, new_tokens) if phase is Phase.PREFILL else []
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
@@ -209,6 +225,27 @@ class ModelRunner:
         return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled), label,
                                  prompt_logprobs)
 
+    def _with_lora(self, inputs: ForwardInputs, seqs: list[Sequence], new_tokens: list[int],
+                   packed: bool) -> ForwardInputs:
+        """The inputs with each token's adapter slot (pad rows: 0), the batch's adapters
+        copied into slots first where they are not there yet."""
+        assert self.lora is not None
+        rows = self.lora.slots_for(s.lora for s in seqs)
+        if packed:
+            slots = torch.repeat_interleave(torch.tensor(rows), torch.tensor(new_tokens))
+        else:
+            bs, q = inputs.input_ids.shape
+            slots = torch.tensor(rows + [0] * (bs - len(rows))).repeat_interleave(q)
+        return dataclasses.replace(inputs, lora_slots=slots.to(self.platform.device))
+
+    def _dummy(self, phase: Phase, bucket: Bucket) -> ForwardInputs:
+        """Warmup inputs of a bucket; with LoRA, a slot per token (graphs take them)."""
+        inputs = self.inputs.dummy(phase, bucket)
+        if self.lora is None:
+            return inputs
+        return dataclasses.replace(inputs, lora_slots=torch.zeros(
+            inputs.input_ids.numel(), dtype=torch.long, device=self.platform.device))
+
     def _bucket(self, phase: Phase, seqs: list[Sequence], new_tokens: list[int]) -> Bucket:
         """The planned bucket that holds the batch, or its exact shape when bucketing is off
         or the batch fits no bucket (then counted as a miss)."""
@@ -229,7 +266,7 @@ class ModelRunner:
         """Runs (compiles / captures) every planned bucket and the sampler before serving;
         returns the seconds spent."""
         buckets = self.shapes.buckets if self.shapes is not None else {p: [] for p in Phase}
-        hooks = WarmupHooks(self.inputs.dummy, self.warm_sampler,
+        hooks = WarmupHooks(self._dummy, self.warm_sampler,
                             lambda: self.platform.free_memory_bytes()[0])
         logger.info("Execution mode: %s", self.graphs.description)
         with torch.inference_mode():
@@ -252,9 +289,9 @@ class ModelRunner:
             return
         began = time.monotonic()
         with self.counters.warming(), torch.inference_mode():  # counted as warmup
-            self.graphs.warm(phase, bucket, self.inputs.dummy(phase, bucket))
+            self.graphs.warm(phase, bucket, self._dummy(phase, bucket))
             if capture:
-                self.graphs.capture(phase, bucket, self.inputs.dummy(phase, bucket))
+                self.graphs.capture(phase, bucket, self._dummy(phase, bucket))
         self.counters.observed.warmed(phase, bucket, time.monotonic() - began)
         self.adaptive.added(phase, bucket)
 
@@ -313,7 +350,7 @@ class ModelRunner:
             for phase, buckets in self.graphs.warmed.items():
                 for bucket in sorted(buckets):
                     if self.graphs.can_replay(phase, bucket):
-                        self.graphs.capture(phase, bucket, self.inputs.dummy(phase, bucket))
+                        self.graphs.capture(phase, bucket, self._dummy(phase, bucket))
         self._graphs_stale = False
         logger.info("Re-captured the device graphs after a wake")
 

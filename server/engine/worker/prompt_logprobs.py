@@ -10,6 +10,7 @@ are untouched. Logits are the model's raw ones (no penalties, bias or masks), as
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -48,8 +49,7 @@ def all_rows(inputs: ForwardInputs) -> tuple[ForwardInputs, torch.Tensor]:
     """The same inputs asking for the logits of every token of the grid, and the flat
     indices of the rows' last tokens (the logits the sampler takes)."""
     every = torch.arange(inputs.input_ids.numel(), device=inputs.logits_indices.device)
-    widened = ForwardInputs(inputs.input_ids, inputs.positions, inputs.meta, every,
-                            inputs.num_seqs)
+    widened = dataclasses.replace(inputs, logits_indices=every)  # LoRA slots too
     return widened, inputs.logits_indices
 
 

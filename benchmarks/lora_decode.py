@@ -1,0 +1,92 @@
+"""Decode step cost with 4 distinct adapters in a batch of 16, against the base model alone,
+side by side in one run (CPU, the embedded SmolLM2-135M unless --model).
+
+    python benchmarks/lora_decode.py [--model PATH] [--tokens 64] [--rank 16]
+
+Writes 4 random PEFT adapters (every projection, rank ``--rank``) for the model, then times
+16 greedy requests twice per engine: 1 token (the prefill) and 1 + ``--tokens`` tokens; the
+difference over ``--tokens`` is the decode step. The base engine runs without
+``--enable-lora``; the LoRA engine has 4 slots and spreads the 16 requests over the 4
+adapters. Prints both step times and their ratio (the issue's target: within 1.3x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from server import LLM, LoRARequest, SamplingParams  # noqa: E402
+from server.models.lora.peft import site_shapes  # noqa: E402
+
+BATCH = 16
+PEFT_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+              "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def write_adapter(folder: Path, cfg, rank: int, seed: int) -> str:
+    """A PEFT-format LoRA of every projection with random A and B."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for site, shape in site_shapes(cfg).items():
+        for name, out in zip(PEFT_NAMES[site.value], shape.parts):
+            group = "self_attn" if site.value in ("qkv_proj", "o_proj") else "mlp"
+            for layer in range(cfg.num_layers):
+                key = f"base_model.model.model.layers.{layer}.{group}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, shape.inputs,
+                                                              generator=gen) * 0.01
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    targets = [n for names in PEFT_NAMES.values() for n in names]
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}))
+    return str(folder)
+
+
+def decode_step_ms(llm: LLM, prompts: list[list[int]], tokens: int, loras) -> float:
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        began = time.perf_counter()
+        llm.generate(prompts, params, lora_request=loras)
+        return time.perf_counter() - began
+
+    run(2)  # first-use costs (an adapter's copy into its slot) out of the timing
+    best = min(run(1 + tokens) - run(1) for _ in range(2))
+    return best / tokens * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    args = parser.parse_args()
+    common = dict(max_num_seqs=BATCH, max_model_len=512)
+    prompts = [[1 + i, 2 + i, 3 + i, 4 + i] for i in range(BATCH)]
+    base = LLM(args.model, **common)
+    base_ms = decode_step_ms(base, prompts, args.tokens, None)
+    cfg = base.engine.model_config
+    del base
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [write_adapter(Path(tmp) / f"a{i}", cfg, args.rank, i) for i in range(4)]
+        lora = LLM(args.model, enable_lora=True, max_loras=4, max_lora_rank=args.rank,
+                   **common)
+        loras = [LoRARequest(f"a{i % 4}", i % 4 + 1, paths[i % 4]) for i in range(BATCH)]
+        lora_ms = decode_step_ms(lora, prompts, args.tokens, loras)
+    print(f"decode step, batch {BATCH}, threads {torch.get_num_threads()}: base "
+          f"{base_ms:.2f} ms, 4 adapters (rank {args.rank}) {lora_ms:.2f} ms, "
+          f"ratio {lora_ms / base_ms:.2f}x (target <= 1.3x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

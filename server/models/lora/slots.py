@@ -1,0 +1,90 @@
+"""The device side of multi-LoRA: ``max_loras`` fixed slots per layer and projection, ranks
+padded to ``max_lora_rank``, so that a batch with any mix of adapters runs the same shapes
+(and graphs) as one without any.
+
+Per layer and site, ``A [S + 1, P * R, in]`` and ``B^T [S + 1, P * R, out]`` (slot 0 stays
+zero: no adapter). Loading an adapter copies its weights into a slot in place: no tensor is
+reallocated, so compiled or captured graphs keep reading the same storage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from server.models.config import ModelConfig
+from server.models.lora.ops import lora_dense, slot_mask
+from server.models.lora.peft import LoRAAdapter, LoRASite, site_layers, site_shapes
+
+
+class LayerLoRA(nn.Module):
+    """One decoder layer's slot stacks; ``apply`` adds each row's adapter to a projection's
+    output."""
+
+    def __init__(self, sites: dict[LoRASite, tuple[int, int, int]], num_slots: int,
+                 rank: int, dtype: torch.dtype, device: torch.device | None) -> None:
+        super().__init__()
+        for site, (parts, inputs, outputs) in sites.items():
+            width = parts * rank
+            self.register_buffer(f"{site.value}_a", torch.zeros(
+                num_slots + 1, width, inputs, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"{site.value}_bt", torch.zeros(
+                num_slots + 1, width, outputs, dtype=dtype, device=device), persistent=False)
+        self.sites = frozenset(sites)
+
+    def stacks(self, site: LoRASite) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"{site.value}_a"), getattr(self, f"{site.value}_bt")
+
+    def apply(self, site: LoRASite, x: torch.Tensor, y: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """``y`` (the base projection of ``x``) plus each row's adapter delta."""
+        if mask is None or site not in self.sites:
+            return y
+        a, bt = self.stacks(site)
+        delta = lora_dense(x.reshape(-1, x.shape[-1]).to(a.dtype), a, bt, mask)
+        return y + delta.to(y.dtype).view(y.shape)
+
+
+class LoRASlots:
+    """Every layer's :class:`LayerLoRA` for one model, and the copies in and out of slots."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
+        self.num_slots = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        shapes = site_shapes(cfg)
+        self.layers = [
+            LayerLoRA({site: (len(shape.parts), shape.inputs, shape.outputs)
+                       for site, shape in shapes.items() if i in site_layers(cfg, site)},
+                      max_loras, max_rank, dtype, device)
+            for i in range(cfg.num_layers)]
+
+    def mask(self, slots: torch.Tensor) -> torch.Tensor:
+        return slot_mask(slots, self.num_slots, self.dtype)
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copies ``adapter`` into ``slot`` (1..S) in place; the rest of the slot is
+        zeroed (a site or rank row the adapter lacks adds nothing)."""
+        assert 1 <= slot <= self.num_slots, slot
+        self.clear(slot)
+        rank = adapter.rank
+        for (layer, site), (a, bt) in adapter.weights.items():
+            a_slot, bt_slot = self.layers[layer].stacks(site)
+            parts = a.shape[0] // rank
+            for p in range(parts):  # each part's rows padded to max_rank
+                rows = slice(p * self.max_rank, p * self.max_rank + rank)
+                a_slot[slot, rows].copy_(a[p * rank:(p + 1) * rank])
+                bt_slot[slot, rows].copy_(bt[p * rank:(p + 1) * rank])
+
+    def clear(self, slot: int) -> None:
+        for layer in self.layers:
+            for site in layer.sites:
+                a, bt = layer.stacks(site)
+                a[slot].zero_()
+                bt[slot].zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers
+                   for t in layer.buffers())
