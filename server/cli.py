@@ -16,11 +16,12 @@ from server.config import (
     SchedulerConfig,
     SchedulerLimits,
     ServerConfig,
+    SpeculativeConfig,
     engine_config_from_args,
     server_config_from_args,
 )
 from server.config.compat import ignored_flags
-from server.config.fields import add_flags, env_help
+from server.config.fields import add_flags, build, env_help
 from server.log import init_logging
 
 logger = logging.getLogger("server.cli")
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(buckets, SchedulerConfig, CacheConfig, only=PLAN_FLAGS,
               defaults={"max_model_len": PLAN_MAX_MODEL_LEN})
     add_flags(buckets, BucketFitOptions)
+    add_flags(buckets, SpeculativeConfig)
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
                            "synthetic streaming workload", formatter_class=HelpFormatter)
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
     """The warmup plan for these limits and the VLLM_* bucketing environment."""
     from server.config import bucketing_config_from_env
-    from server.hpu.buckets.plan import format_plan, resolve_ranges
+    from server.hpu.buckets.plan import format_plan, resolve_ranges, verify_buckets
 
     # the step's token budget, resolved as the engine resolves it (without a platform: its
     # default with chunked prefill is the generic one)
@@ -98,7 +100,10 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
         max_num_batched_tokens=batched, num_blocks=args.num_gpu_blocks_override,
         with_context=args.enable_chunked_prefill or args.enable_prefix_caching,
     )
-    print(format_plan(ranges))
+    spec = build(SpeculativeConfig, args, environ).settings
+    verify = (verify_buckets(ranges, spec.query_len, spec.disable_by_batch_size)
+              if spec is not None else None)
+    print(format_plan(ranges, verify))
     return 0
 
 

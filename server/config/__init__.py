@@ -37,6 +37,12 @@ from server.config.server import (
     ServerConfig,
     api_key_from_env,
 )
+from server.config.speculative import (
+    SpecMethod,
+    SpeculativeConfig,
+    SpeculativeSettings,
+    parse_speculative_config,
+)
 from server.config.structured import StructuredOutputsBackend, StructuredOutputsConfig
 from server.config.tracing import OtlpProtocol, TracingConfig
 
@@ -45,9 +51,9 @@ __all__ = [
     "ChatOptions", "Convert", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode",
     "FairShare", "GiB", "LoRAConfig", "LogFormat", "LoggingConfig", "ModelOptions",
     "OtlpProtocol", "ParallelConfig", "PoolingConfig", "RequestLimits", "ResponsesStoreConfig",
-    "Runner", "SchedulerConfig",
+    "Runner", "SchedulerConfig", "SpecMethod", "SpeculativeConfig", "SpeculativeSettings",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",
     "TracingConfig", "WarmupConfig", "add_engine_args", "add_server_args", "api_key_from_env",
-    "bucketing_config_from_env", "engine_config_from_args", "make_engine_config",
+    "bucketing_config_from_env", "engine_config_from_args", "make_engine_config", "parse_speculative_config",
     "server_config_from_args",
 ]

@@ -17,6 +17,8 @@ from server.config.model import CacheConfig, ModelOptions
 from server.config.pooling import PoolingConfig
 from server.config.scheduler import SchedulerConfig
 from server.config.server import FairShare, ServerConfig
+from server.config.speculative import GROUP as SPEC_GROUP
+from server.config.speculative import SpeculativeConfig
 from server.config.structured import StructuredOutputsConfig
 
 
@@ -34,6 +36,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = section(StructuredOutputsConfig)
     pooling: PoolingConfig = section(PoolingConfig)
     lora: LoRAConfig = section(LoRAConfig, group=LORA_GROUP)
+    speculative: SpeculativeConfig = section(SpeculativeConfig, group=SPEC_GROUP)
     vllm_no_op: VllmNoOpFlags = section(VllmNoOpFlags, group=NO_OP_GROUP)
     cache_dir: str | None = knob(
         None, env="HPU_SERVE_CACHE_DIR",

@@ -12,7 +12,7 @@ import torch
 from server.cache_dir import writable_cache_dir
 from server.config import EngineConfig, ModelOptions
 from server.engine.core.block_manager import BlockManager
-from server.engine.core.scheduler import Scheduler
+from server.engine.core.scheduler import Scheduler, Speculation
 from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.errors import EngineFaultError, EngineSleepingError, RequestError
 from server.engine.executor import FaultListener, RankExecutor, make_executor
@@ -25,6 +25,8 @@ from server.engine.request_state import RequestState
 from server.engine.sampling_defaults import SamplingDefaults
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
+from server.engine.spec_decode.ngram import NgramProposer
+from server.engine.spec_decode.stats import SpecDecodeStats
 from server.engine.structured_outputs.backend import StructuredOutputs
 from server.engine.tokenizer import Tokenizer
 from server.engine.worker.builder import build_model_runner
@@ -111,11 +113,17 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           config.cache.enable_prefix_caching)
         assert self.block_manager.pad_block_id == self.runner.pad_block_id
+        spec = config.speculative.settings
+        self.spec_stats = (SpecDecodeStats(spec.num_speculative_tokens)
+                           if spec is not None else None)
         self.scheduler = Scheduler(self.limits, self.block_manager,
                                    self.runner.prefill_fits if self.runner.shapes else None,
                                    fuse_decodes=self.runner.packs_tokens,
                                    max_loras=(config.lora.max_loras
-                                              if config.lora.enable_lora else None))
+                                              if config.lora.enable_lora else None),
+                                   speculation=(Speculation(NgramProposer(spec).propose,
+                                                            spec.disable_by_batch_size)
+                                                if spec is not None else None))
         # --enable-lora: the adapters served by name (--lora-modules, /v1/load_lora_adapter)
         self.lora_config = config.lora
         self.loras = LoRARegistry()
@@ -252,7 +260,7 @@ class LLMEngine:
         except Exception as exc:
             return self._isolate_failure(batch, exc)
         self._failed_steps = 0
-        return self._retire(self.output_processor.process(sampled, result))
+        return self._retire(self.output_processor.process(sampled, result), batch)
 
     def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, ModelRunnerOutput]:
         """Runs the batch, with the allowed-token mask of its guided sequences; returns the
@@ -268,18 +276,31 @@ class LLMEngine:
         requests = self.output_processor.requests
         for seq in batch.seqs:  # what its trace tells: the buckets the request ran in
             requests[seq.request_id].metrics.ran_in(result.bucket)
-        self.scheduler.advance(batch)
+        accepted = None
+        if batch.spec_token_ids is not None:  # a verify step: keep the accepted drafts' K/V
+            accepted = result.num_accepted
+            if self.spec_stats is not None:
+                self.spec_stats.observe(batch.spec_token_ids, accepted)
+        self.scheduler.advance(batch, accepted)
         if self.block_manager.enable_caching:
             for seq in batch.seqs:  # their K/V are in the cache now: full blocks can be shared
-                self.block_manager.cache_blocks(seq, seq.num_computed_tokens)
+                # (accepted drafts join the tokens after this step: named at the next one)
+                self.block_manager.cache_blocks(
+                    seq, min(seq.num_computed_tokens, seq.num_tokens))
         return sampled, result
 
-    def _retire(self, processed: ProcessedStep) -> list[RequestOutput]:
-        """Frees what the step finished: stopped sequences, and failed requests whole."""
+    def _retire(self, processed: ProcessedStep,
+                batch: ScheduledBatch | None = None) -> list[RequestOutput]:
+        """Frees what the step finished: stopped sequences, and failed requests whole; after
+        a verify step, the blocks only rejected drafts were written to."""
         for seq in processed.finished:
             self.scheduler.finish(seq)
         for request_id in processed.failed:
             self.scheduler.abort(request_id)
+        if batch is not None and batch.spec_token_ids is not None:
+            for seq in batch.seqs:
+                if not seq.is_finished:
+                    self.block_manager.trim(seq)
         return processed.outputs
 
     def _isolate_failure(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
@@ -301,7 +322,8 @@ class LLMEngine:
                     error = sub_exc
                 else:
                     succeeded = True
-                    outputs += self._retire(self.output_processor.process(sampled, result))
+                    outputs += self._retire(self.output_processor.process(sampled, result),
+                                            batch.subset(seqs))
                     continue
             self.scheduler.abort(request_id)
             failure = self.output_processor.fail(request_id, error)
@@ -326,8 +348,15 @@ class LLMEngine:
         return EngineStats(
             self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
             bm.num_blocks, bm.usage, self.scheduler.num_preemptions,
-            bm.stats.queries, bm.stats.hits, *self._lora_stats(),
+            bm.stats.queries, bm.stats.hits, *self._lora_stats(), *self._spec_stats(),
         )
+
+    def _spec_stats(self) -> tuple[int, int, int, tuple[int, ...]]:
+        s = self.spec_stats
+        if s is None:
+            return 0, 0, 0, ()
+        return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                tuple(s.accepted_per_pos))
 
     def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...], int]:
         if self.scheduler.max_loras is None:

@@ -49,7 +49,9 @@ class OutputProcessor:
             scoring = self.requests.get(request_id)
             if scoring is not None:
                 scoring.add_prompt_logprobs(first_token, entries)
-        for seq, token_id, logprob in zip(batch.seqs, result.token_ids, result.logprobs):
+        runs = result.runs or [[t] for t in result.token_ids]
+        run_logprobs = result.run_logprobs or [[lp] for lp in result.logprobs]
+        for seq, run, logprobs in zip(batch.seqs, runs, run_logprobs):
             if seq.request_id in failed:
                 continue
             state = self.requests[seq.request_id]
@@ -59,7 +61,12 @@ class OutputProcessor:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
             try:
-                self._append(state, seq, token_id, logprob)
+                # a verify step's run: a stop (EOS, stop string, length) inside it cuts the
+                # tokens after it
+                for token_id, logprob in zip(run, logprobs):
+                    self._append(state, seq, token_id, logprob)
+                    if seq.finish_reason is not None:
+                        break
             except Exception as exc:  # this request's own fault: the others go on
                 failed[seq.request_id] = exc
                 continue

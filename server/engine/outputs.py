@@ -134,6 +134,11 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # --speculative-config (cumulative; per_pos empty when speculation is off)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -149,3 +154,13 @@ class ModelRunnerOutput:
     # prompt logprobs computed this step: request id -> (index of the first prompt token
     # they score, one entry per token from there)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # a speculative verify step: each row's run of tokens (accepted drafts, then the
+    # corrected or bonus token; ``token_ids`` holds their first) and their logprobs
+    runs: list[list[int]] | None = None
+    run_logprobs: list[list[TokenLogprob | None]] | None = None
+
+    @property
+    def num_accepted(self) -> list[int]:
+        """Draft tokens accepted per row (0 for a plain step)."""
+        return [len(run) - 1 for run in self.runs] if self.runs is not None else [
+            0] * len(self.token_ids)

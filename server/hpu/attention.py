@@ -248,3 +248,69 @@ def flat_paged_attention(
     # Pad rows have no blocks: guard their zero sum instead of dividing by it.
     out = out / seq_sum.clamp_min(1e-30).view(bs, num_kv_heads * groups, 1)
     return out.to(query.dtype)
+
+
+def flat_paged_verify_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Flat paged attention with ``q`` query tokens per row (a speculative verify step:
+    the last accepted token and the drafts after it). query ``[bs * q, Hq, D]`` -> same.
+
+    The decode algorithm of :func:`flat_paged_attention` with the query axis carried along;
+    ``block_bias`` is ``[N, q, block_size]``: the causal mask of each query within its
+    row's blocks (written by the input builder, so the queries see their own fresh keys).
+    """
+    assert meta.block_list is not None and meta.block_mapping is not None
+    assert meta.block_bias is not None and meta.block_groups is not None
+    tokens, num_q_heads, head_dim = query.shape
+    bs = meta.block_mapping.shape[1]
+    q_len = tokens // bs
+    num_kv_heads = k_cache.shape[1]
+    groups = num_q_heads // num_kv_heads
+    block_size = meta.block_size
+    num_blocks = meta.block_list.shape[0]
+    block_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+
+    q_blk = meta.block_mapping @ (query * scale).reshape(bs, -1)
+    # [N, Hkv, q * G, D]: every query of the row against the block's keys in one matmul
+    q_blk = q_blk.view(num_blocks, q_len, num_kv_heads, groups, head_dim).permute(
+        0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, q_len * groups, head_dim)
+    keys = k_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
+    values = v_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
+    if keys.dtype != query.dtype:
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+
+    scores = torch.matmul(q_blk, keys.transpose(-1, -2)).float()  # [N, Hkv, q*G, B]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(num_blocks, num_kv_heads, q_len, groups, block_size)
+    bias = meta.block_bias  # [N, q, B]
+    if window is not None:
+        assert meta.block_start is not None
+        distance = (meta.block_start.view(-1, 1, 1)
+                    + torch.arange(block_size, device=bias.device).view(1, 1, -1)
+                    - torch.arange(q_len, device=bias.device).view(1, -1, 1))
+        bias = bias.masked_fill(distance <= -window, _MASKED)
+    scores = scores + bias.view(num_blocks, 1, q_len, 1, block_size)
+    block_max = scores.amax(dim=-1)  # [N, Hkv, q, G]
+    seq_max = torch.full((bs + 1, num_kv_heads, q_len, groups), float("-inf"),
+                         dtype=scores.dtype, device=scores.device)
+    index = meta.block_groups.view(-1, 1, 1, 1).expand_as(block_max)
+    seq_max = seq_max.scatter_reduce(0, index, block_max, reduce="amax", include_self=True)
+    block_seq_max = seq_max.index_select(0, meta.block_groups)
+    probs = torch.exp((scores - block_seq_max.unsqueeze(-1)).clamp_min_(-80.0))
+    block_sum = probs.sum(dim=-1)  # [N, Hkv, q, G]
+    out_blk = torch.matmul(probs.to(values.dtype).view(num_blocks, num_kv_heads, -1,
+                                                       block_size), values)
+    mapping = meta.block_mapping
+    seq_sum = mapping.t().float() @ block_sum.reshape(num_blocks, -1)  # [bs, Hkv*q*G]
+    out = (mapping.t() @ out_blk.reshape(num_blocks, -1)).float()  # [bs, Hkv*q*G*D]
+    out = out.view(bs, num_kv_heads, q_len, groups, head_dim)
+    out = out / seq_sum.clamp_min(1e-30).view(bs, num_kv_heads, q_len, groups, 1)
+    return out.permute(0, 2, 1, 3, 4).reshape(tokens, num_q_heads, head_dim).to(query.dtype)

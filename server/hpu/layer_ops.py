@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from server.hpu.attention import (
     AttentionMetadata,
     flat_paged_attention,
+    flat_paged_verify_attention,
     paged_prefill_attention,
     prompt_attention,
     write_kv,
@@ -110,6 +111,9 @@ class TorchLayerOps:
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                          scale: float, softcap: float | None = None, window: int | None = None
                          ) -> torch.Tensor:
+        if meta.block_bias is not None and meta.block_bias.dim() == 3:  # a verify step
+            return flat_paged_verify_attention(query, kv_cache[0], kv_cache[1], meta, scale,
+                                               softcap, window)
         return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale, softcap,
                                     window)
 

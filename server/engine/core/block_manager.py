@@ -133,13 +133,28 @@ class BlockManager:
             self.stats.queries += seq.num_tokens
             self.stats.hits += seq.num_cached_tokens
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the next decode step (which writes token ``num_tokens - 1``) fits."""
-        return self._missing(seq) <= self.num_free_blocks
+    def can_append(self, seq: Sequence, extra: int = 0) -> bool:
+        """Whether the next decode step (which writes token ``num_tokens - 1``, and
+        ``extra`` draft tokens after it) fits."""
+        return self._missing(seq, extra) <= self.num_free_blocks
 
-    def append_slot(self, seq: Sequence) -> None:
-        for _ in range(self._missing(seq)):
+    def append_slot(self, seq: Sequence, extra: int = 0) -> None:
+        for _ in range(self._missing(seq, extra)):
             seq.block_table.append(self._take())
+
+    def trim(self, seq: Sequence) -> None:
+        """Gives back the blocks past what ``seq``'s tokens need: the ones only rejected
+        draft tokens were written to (never named: they were past the computed tokens)."""
+        keep = blocks_for(seq.num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            refs = self._refs.pop(block) - 1
+            if refs > 0:
+                self._refs[block] = refs
+            elif block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
 
     def cache_blocks(self, seq: Sequence, num_written: int) -> None:
         """Names the blocks the first ``num_written`` tokens of ``seq`` filled (call once
@@ -210,8 +225,9 @@ class BlockManager:
         self._refs[block] = 1
         return block
 
-    def _missing(self, seq: Sequence) -> int:
-        return max(0, blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table))
+    def _missing(self, seq: Sequence, extra: int = 0) -> int:
+        return max(0, blocks_for(seq.num_tokens + extra, self.block_size)
+                   - len(seq.block_table))
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:

@@ -9,12 +9,25 @@ from __future__ import annotations
 import bisect
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from server.config import SchedulerLimits
 from server.engine.core.block_manager import AllocationPlan, BlockManager
 from server.engine.core.fair_share import ClientQueues, block_victim, fair_victim
 from server.engine.core.sequence import ScheduledBatch, Sequence, SequenceStatus
 from server.hpu.types import Phase
+
+# a proposer: (sequence, most drafts wanted) -> its draft tokens
+Propose = Callable[[Sequence, int], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """What the scheduler needs of speculative decoding: the proposer, and the running
+    batch size above which decodes go plain (None: never)."""
+
+    propose: Propose
+    disable_by_batch_size: int | None = None
 
 
 class Scheduler:
@@ -55,8 +68,11 @@ class Scheduler:
         prefill_fits: Callable[[int, int], bool] | None = None,
         fuse_decodes: bool = False,
         max_loras: int | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         self.limits = limits
+        # --speculative-config: decodes carry draft tokens (a verify step)
+        self.speculation = speculation
         # --enable-lora: distinct adapters among the running sequences, at most (the device
         # slots); a request whose adapter would be one too many waits, later ones may pass
         self.max_loras = max_loras
@@ -126,17 +142,23 @@ class Scheduler:
             decode.preempted[:0] = rebalanced
         budget = self.limits.max_num_batched_tokens - (len(decode.seqs) if decode else 0)
         chunks = self._schedule_chunks(budget)
-        if self.fuse_decodes and decode is not None and decode.seqs and len(chunks) == 1:
+        if (self.fuse_decodes and decode is not None and decode.seqs and len(chunks) == 1
+                and decode.spec_token_ids is None):
             prompt = chunks[0]
             assert prompt.num_new_tokens is not None
             return [ScheduledBatch(Phase.PREFILL, decode.seqs + prompt.seqs, decode.preempted,
                                    [1] * len(decode.seqs) + prompt.num_new_tokens)]
         return ([decode] if decode is not None else []) + chunks
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """Records that ``batch`` ran: its tokens' K/V are in the cache now."""
+    def advance(self, batch: ScheduledBatch, accepted: list[int] | None = None) -> None:
+        """Records that ``batch`` ran: its tokens' K/V are in the cache now. A verify
+        step: ``accepted`` drafts per row, whose K/V (and the last token's) are kept; the
+        rejected ones' slots are free to be overwritten."""
         for row, seq in enumerate(batch.seqs):
-            seq.num_computed_tokens += batch.new_tokens(row)
+            if accepted is not None:
+                seq.num_computed_tokens += 1 + accepted[row]
+            else:
+                seq.num_computed_tokens += batch.new_tokens(row)
 
     def finish(self, seq: Sequence) -> None:
         """Retires a sequence that ran (stopped or aborted): its blocks go back to the pool."""
@@ -280,7 +302,32 @@ class Scheduler:
         decoding = [seq for seq in self.running if not seq.in_prefill]
         if not decoding:
             return ScheduledBatch(Phase.DECODE, [], preempted) if preempted else None
-        return ScheduledBatch(Phase.DECODE, decoding, preempted)
+        return ScheduledBatch(Phase.DECODE, decoding, preempted, None, self._drafts(decoding))
+
+    def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
+        """Each decoding sequence's draft tokens, with the blocks they are written to;
+        None (a plain decode) when speculation is off, the batch is above
+        ``disable_by_batch_size`` or no sequence has a draft. Drafts never claim a block
+        another sequence would need: a sequence short of blocks drafts nothing."""
+        spec = self.speculation
+        if spec is None or (spec.disable_by_batch_size is not None
+                            and len(self.running) > spec.disable_by_batch_size):
+            return None
+        drafts: list[list[int]] = []
+        for seq in decoding:
+            params = seq.params
+            # no draft past the length limits (their tokens would be cut), nor where a
+            # grammar constrains each position (its mask follows the accepted tokens)
+            limit = self.limits.max_model_len - seq.num_tokens
+            if params.max_tokens is not None:
+                limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
+            found = spec.propose(seq, limit) if limit > 0 and seq.grammar is None else []
+            if found and self.block_manager.can_append(seq, len(found)):
+                self.block_manager.append_slot(seq, len(found))
+            else:
+                found = []
+            drafts.append(found)
+        return drafts if any(drafts) else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

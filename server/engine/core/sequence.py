@@ -106,11 +106,14 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # prefill: tokens each sequence computes this step; None: all it has left
     num_new_tokens: list[int] | None = None
+    # decode with speculation: each row's draft tokens, verified after its last token (a
+    # verify step); None: a plain decode
+    spec_token_ids: list[list[int]] | None = None
 
     def new_tokens(self, row: int) -> int:
         """Tokens row ``row`` computes this step."""
         if self.phase is Phase.DECODE:
-            return 1
+            return 1 + (len(self.spec_token_ids[row]) if self.spec_token_ids else 0)
         if self.num_new_tokens is not None:
             return self.num_new_tokens[row]
         seq = self.seqs[row]
@@ -120,6 +123,8 @@ class ScheduledBatch:
     def sampling_rows(self) -> list[int]:
         """Rows that sample a token this step: every decode, and the prefills whose chunk
         reaches their last token."""
+        if self.phase is Phase.DECODE:
+            return list(range(len(self.seqs)))
         return [row for row, seq in enumerate(self.seqs)
                 if seq.num_computed_tokens + self.new_tokens(row) == seq.num_tokens]
 
@@ -130,4 +135,8 @@ class ScheduledBatch:
         else:
             chunk_of = {id(seq): n for seq, n in zip(self.seqs, self.num_new_tokens)}
             chunks = [chunk_of[id(seq)] for seq in seqs]
-        return ScheduledBatch(self.phase, list(seqs), [], chunks)
+        spec = None
+        if self.spec_token_ids is not None:
+            drafts_of = {id(seq): d for seq, d in zip(self.seqs, self.spec_token_ids)}
+            spec = [drafts_of[id(seq)] for seq in seqs]
+        return ScheduledBatch(self.phase, list(seqs), [], chunks, spec)

@@ -103,16 +103,75 @@ class InputBuilder:
             len(seqs),
         )
 
-    def packed(self, seqs: list[Sequence], new_tokens: list[int]) -> ForwardInputs:
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]],
+               pad_to: tuple[int, int, int]) -> ForwardInputs:
+        """A speculative verify step in the flat decode layout: each row's last token and
+        its drafts, ``q`` query tokens per row (rows with fewer drafts padded: their pad
+        queries write the padding block and look from the row's last real position), over
+        the batch's blocks padded to ``blocks``. Logits of every query token come back,
+        row-major."""
+        bs, q, num_blocks = pad_to
+        block = self.block_size
+        token_ids = torch.zeros(bs, q, dtype=torch.long)
+        positions = torch.zeros(bs, q, dtype=torch.long)
+        slots = torch.tensor([self.pad_block_id * block + t % block for t in range(q)]
+                             ).repeat(bs, 1)
+        block_list: list[int] = []
+        groups: list[int] = []
+        starts: list[int] = []
+        last_query: list[int] = []  # each block's row's last real query offset
+        for row, (seq, extra) in enumerate(zip(seqs, drafts)):
+            first = seq.num_tokens - 1
+            n = 1 + len(extra)
+            token_ids[row, :n] = torch.tensor([seq.last_token_id] + extra)
+            pos = torch.arange(first, first + n)
+            positions[row, :n] = pos
+            positions[row, n:] = first + n - 1
+            table = torch.tensor(seq.block_table)
+            slots[row, :n] = table[pos // block] * block + pos % block
+            block_list += seq.block_table
+            groups += [row] * len(seq.block_table)
+            starts += range(-first, len(seq.block_table) * block - first, block)
+            last_query += [n - 1] * len(seq.block_table)
+        pad_blocks = num_blocks - len(block_list)
+        block_list_t = torch.tensor(block_list + [self.pad_block_id] * pad_blocks)
+        groups_t = torch.tensor(groups + [bs] * pad_blocks)
+        starts_t = torch.tensor(starts + [0] * pad_blocks)
+        # key offset (from the row's first query) <= the query's own offset, pad queries
+        # clamped to the row's last real one; pad blocks keep slot 0 visible (finite)
+        key_off = starts_t.view(-1, 1, 1) + torch.arange(block).view(1, 1, -1)
+        query_off = torch.minimum(torch.arange(q).view(1, -1, 1),
+                                  torch.tensor(last_query + [0] * pad_blocks).view(-1, 1, 1))
+        visible = key_off <= query_off
+        visible[len(block_list):] = False
+        visible[len(block_list):, :, 0] = True
+        block_bias = torch.where(visible, 0.0, _MASKED)
+        mapping = torch.nn.functional.one_hot(groups_t, bs + 1)[:, :bs].to(self.dtype)
+        dev = self.device
+        meta = AttentionMetadata(
+            False, block, slots.reshape(-1).to(dev),
+            block_list=block_list_t.to(dev), block_groups=groups_t.to(dev),
+            block_mapping=mapping.to(dev), block_bias=block_bias.to(dev),
+            block_start=starts_t.to(dev))
+        return ForwardInputs(token_ids.to(dev), positions.to(dev), meta,
+                             torch.arange(bs * q).to(dev), len(seqs))
+
+    def packed(self, seqs: list[Sequence], new_tokens: list[int],
+               drafts: list[list[int]] | None = None) -> ForwardInputs:
         """Each sequence's next ``new_tokens`` past its cached ones, packed back to back in
         one ``[1, T]`` row (eager CPU with per-row block tables): no padding, and decode
         rows (one new token) ride in the same forward as prompt chunks. Every token is a
         row of the paged-attention kernel with its sequence's table and the keys up to
-        itself."""
+        itself. ``drafts``: a verify step (each row's last token then its drafts, every
+        token's logits returned)."""
         block = self.block_size
         starts = [s.num_computed_tokens for s in seqs]
         ids: list[int] = []
-        for seq, start, n in zip(seqs, starts, new_tokens):
+        if drafts is not None:
+            starts = [s.num_tokens - 1 for s in seqs]
+            for seq, extra in zip(seqs, drafts):
+                ids += [seq.last_token_id] + extra
+        for seq, start, n in zip(seqs, starts, new_tokens if drafts is None else []):
             ids += seq.all_token_ids[start : start + n]
         width = max(-(-(c + n) // block) for c, n in zip(starts, new_tokens))
         tables = torch.full((len(seqs), width), self.pad_block_id, dtype=torch.int32)
@@ -131,11 +190,12 @@ class InputBuilder:
                                  block_tables=token_tables.to(dev),
                                  seq_lens=(positions + 1).to(torch.int32).to(dev),
                                  has_context=any(starts), packed=len(seqs) > 1)
+        logits_at = (torch.cumsum(lens, 0) - 1) if drafts is None else torch.arange(len(ids))
         return ForwardInputs(
             torch.tensor(ids).view(1, -1).to(dev),
             positions.view(1, -1).to(dev),
             meta,
-            (torch.cumsum(lens, 0) - 1).to(dev),
+            logits_at.to(dev),
             len(seqs),
         )
 
@@ -233,6 +293,10 @@ class InputBuilder:
             return self.prefill(seqs, pad_to=(bs, q), ctx_blocks=blocks)
         # Spread the bucket's blocks over its rows; every row has at least one.
         per_row = [blocks // bs + (1 if i < blocks % bs else 0) for i in range(bs)]
+        if q > 1:  # a verify bucket: each row's drafts fill the end of its last block
+            seqs = [dummy_seq(max(n * block - q + 1, 1), [pad] * n) for n in per_row if n > 0]
+            return self.verify(seqs, [[0] * min(q - 1, n * block - 1) for n in per_row if n],
+                               (bs, q, blocks))
         seqs = [dummy_seq(n * block, [pad] * n) for n in per_row if n > 0]
         return self.decode(seqs, pad_to=(bs, blocks))
 

@@ -27,11 +27,18 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
 from server.engine.worker.input_builder import InputBuilder, dummy_seq
 from server.engine.worker.prompt_logprobs import all_rows, flat_starts, score, scored_chunks
+from server.engine.worker.rejection import verify, verify_rows
 from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.worker.sleep import DeviceMemory, WeightLoader
 from server.hpu.buckets.adaptive import AdaptiveBuckets
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
-from server.hpu.buckets.plan import decode_buckets, format_plan, prefill_buckets, resolve_ranges
+from server.hpu.buckets.plan import (
+    decode_buckets,
+    format_plan,
+    prefill_buckets,
+    resolve_ranges,
+    verify_buckets,
+)
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ForwardInputs, ShapeRunner
@@ -138,10 +145,15 @@ class ModelRunner:
         # Padding only pays where shapes are compiled or captured; plain eager PyTorch
         # would just compute the padding.
         self.shapes: ShapePlanner | None = None
+        # --speculative-config: verify steps run decode buckets of this query length
+        spec = config.speculative.settings
+        self.spec_query = spec.query_len if spec is not None else None
         if ranges.enabled and self.graphs.needs_warmup:
-            self.shapes = ShapePlanner(prefill_buckets(ranges), decode_buckets(ranges),
+            verify = (verify_buckets(ranges, spec.query_len, spec.disable_by_batch_size)
+                      if spec is not None else [])
+            self.shapes = ShapePlanner(prefill_buckets(ranges), decode_buckets(ranges) + verify,
                                        self.counters)
-            for line in format_plan(ranges).splitlines():
+            for line in format_plan(ranges, verify).splitlines():
                 logger.info("%s", line)
         bucket_limits = BucketLimits(limits.max_model_len, limits.max_num_seqs,
                                      limits.max_num_batched_tokens, self.num_blocks)
@@ -186,6 +198,8 @@ class ModelRunner:
         seqs = batch.seqs
         phase = batch.phase
         new_tokens = [batch.new_tokens(row) for row in range(len(seqs))]
+        if batch.spec_token_ids is not None:
+            return self._verify(batch, new_tokens, token_bitmask)
         bucket = self._bucket(phase, seqs, new_tokens)
         pad_to = padded_size(phase, bucket)
         if phase is Phase.PREFILL and self.packs_tokens:
@@ -224,6 +238,42 @@ class ModelRunner:
         self.graphs.sync(SyncPoint.SAMPLER)
         return ModelRunnerOutput(out.token_ids.tolist(), to_token_logprobs(out, sampled), label,
                                  prompt_logprobs)
+
+    def _verify(self, batch: ScheduledBatch, new_tokens: list[int],
+                token_bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+        """A speculative verify step: each row's last token and drafts in one forward (a
+        decode bucket of query ``k + 1``; rows with fewer drafts padded), the target's
+        logits at every position, then acceptance (see rejection.py)."""
+        assert batch.spec_token_ids is not None and self.spec_query is not None
+        seqs, drafts = batch.seqs, batch.spec_token_ids
+        phase = Phase.DECODE
+        q = self.spec_query
+        bs, size = len(seqs), sum(len(s.block_table) for s in seqs)
+        self.counters.observed.record(phase, exact_bucket(phase, bs, size, 0, q),
+                                      sum(new_tokens))
+        bucket = (self.shapes.pad(phase, bs, size, 0, q) if self.shapes is not None
+                  else exact_bucket(phase, bs, size, 0, q))
+        if self.packs_tokens:
+            inputs = self.inputs.packed(seqs, new_tokens, drafts)
+        else:
+            inputs = self.inputs.verify(seqs, drafts, (bucket.batch, q, bucket.blocks))
+        if self.lora is not None:
+            inputs = self._with_lora(inputs, seqs, new_tokens, self.packs_tokens)
+        self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
+        logits = self.graphs.run(phase, bucket, inputs)
+        if not self.packs_tokens:  # the real rows of the [bs, q] grid
+            index = [row * q + j for row, n in enumerate(new_tokens) for j in range(n)]
+            logits = logits.index_select(0, torch.tensor(index, device=logits.device))
+        rows = verify_rows(seqs, drafts, self.platform.device)
+        if token_bitmask is not None:  # guided sequences draft nothing: one row each
+            token_bitmask = token_bitmask.repeat_interleave(
+                torch.tensor(new_tokens, device=token_bitmask.device), dim=0)
+        sampling = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids,
+                                         self.platform.device, token_bitmask)
+        runs, logprobs = verify(self.sampler, logits, seqs, drafts, rows, sampling)
+        self.graphs.sync(SyncPoint.SAMPLER)
+        return ModelRunnerOutput([run[0] for run in runs], [lp[0] for lp in logprobs],
+                                 bucket_label(phase, bucket), runs=runs, run_logprobs=logprobs)
 
     def _with_lora(self, inputs: ForwardInputs, seqs: list[Sequence], new_tokens: list[int],
                    packed: bool) -> ForwardInputs:

@@ -118,6 +118,15 @@ class Sampler:
         self.argmax = argmax or _torch_argmax
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        logits = self.process(logits, t)
+        logprobs = torch.log_softmax(logits, dim=-1) if t.num_logprobs >= 0 else None
+        token_ids = self._sample(logits, t)
+        return with_logprobs(token_ids, logprobs, t)
+
+    @staticmethod
+    def process(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """The logit processors (allowed tokens, grammar masks, biases, penalties): the
+        logits sampling and logprobs read."""
         logits = logits.float()
         restricted = None  # first: the logprobs reported are over what may be sampled
         if t.allowed is not None:
@@ -133,29 +142,39 @@ class Sampler:
                 logits = torch.where(dead, restricted, logits)
         if t.presence is not None:
             logits = apply_penalties(logits, t)
-        logprobs = torch.log_softmax(logits, dim=-1) if t.num_logprobs >= 0 else None
-        token_ids = self._sample(logits, t)
-        if logprobs is None:
-            return SamplerOutput(token_ids, None, None, None)
-        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        top_logprobs, top_ids = logprobs.topk(t.num_logprobs, dim=-1)
-        return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
+        return logits
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         greedy_ids = self.argmax(logits)
         if t.all_greedy:
             return greedy_ids
-        logits = logits / t.temperature.unsqueeze(1)
-        if t.top_k is not None:
-            logits = _apply_top_k(logits, t.top_k)
-        if t.top_p is not None:
-            logits = _apply_top_p(logits, t.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if t.min_p is not None:
-            keep = probs >= t.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-            probs = probs * keep
-        sampled = _inverse_cdf_sample(probs, t.generators)
+        sampled = inverse_cdf_sample(sampling_probs(logits, t), t.generators)
         return torch.where(t.is_greedy, greedy_ids, sampled)
+
+
+def sampling_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The distribution a sampled row draws from: processed logits / temperature, cut by
+    top-k, top-p and min-p (unnormalised after min-p: samplers read the CDF's own total)."""
+    logits = logits / t.temperature.unsqueeze(1)
+    if t.top_k is not None:
+        logits = _apply_top_k(logits, t.top_k)
+    if t.top_p is not None:
+        logits = _apply_top_p(logits, t.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if t.min_p is not None:
+        keep = probs >= t.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs * keep
+    return probs
+
+
+def with_logprobs(token_ids: torch.Tensor, logprobs: torch.Tensor | None,
+                  t: SamplingTensors) -> SamplerOutput:
+    """The chosen tokens with their logprobs and the top alternatives (when asked)."""
+    if logprobs is None:
+        return SamplerOutput(token_ids, None, None, None)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = logprobs.topk(t.num_logprobs, dim=-1)
+    return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -218,7 +237,8 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, _NEG_INF)
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def inverse_cdf_sample(probs: torch.Tensor,
+                       generators: list[torch.Generator | None]) -> torch.Tensor:
     """One uniform number per row, looked up in the row's CDF.
 
     A token with zero probability has a flat CDF step and can never be hit. This draws one

@@ -29,10 +29,20 @@ class ShapePlanner:
         self.counters = counters
         self._warned: set[Bucket] = set()
 
-    def find(self, phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket | None:
+    def find(self, phase: Phase, bs: int, size: int, ctx: int = 0,
+             query: int = 1) -> Bucket | None:
         """The lexicographically smallest bucket dominating (bs, size, ctx), as the
-        reference implementation picks it (smallest batch first, not least padding)."""
-        return smallest_dominating(self.buckets[phase], exact_bucket(phase, bs, size, ctx))
+        reference implementation picks it (smallest batch first, not least padding). A
+        decode's query length is matched exactly: a plain decode and a speculative verify
+        step (``query`` tokens per row) lay their inputs out differently."""
+        target = exact_bucket(phase, bs, size, ctx, query)
+        if phase is Phase.DECODE:
+            found = smallest_dominating(self._decode_of(query), target)
+            return found if found is not None and found.query == query else None
+        return smallest_dominating(self.buckets[phase], target)
+
+    def _decode_of(self, query: int) -> list[Bucket]:
+        return [b for b in self.buckets[Phase.DECODE] if b.query == query]
 
     def prefill_fits(self, num_seqs: int, max_tokens: int,
                      max_num_batched_tokens: int) -> bool:
@@ -41,15 +51,15 @@ class ShapePlanner:
         bucket = self.find(Phase.PREFILL, num_seqs, max_tokens)
         return bucket is not None and bucket.batch * bucket.query <= max_num_batched_tokens
 
-    def pad(self, phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:
+    def pad(self, phase: Phase, bs: int, size: int, ctx: int = 0, query: int = 1) -> Bucket:
         """The bucket to run a batch of ``bs`` rows and ``size`` (prompt length or total
         KV blocks) in, after ``ctx`` context blocks (prompts): a planned one, or the exact
         shape when none holds it (a miss)."""
-        bucket = self.find(phase, bs, size, ctx)
+        bucket = self.find(phase, bs, size, ctx, query)
         if bucket is not None:
             return bucket
         self.counters.missed(phase)
-        exact = exact_bucket(phase, bs, size, ctx)
+        exact = exact_bucket(phase, bs, size, ctx, query)
         if exact not in self._warned:
             self._warned.add(exact)
             logger.warning("Configuration: (%r, %d, %d, %d) was not warmed-up!", str(phase),
@@ -66,10 +76,11 @@ def smallest_dominating(buckets: Sequence[Bucket], target: Bucket) -> Bucket | N
     return None
 
 
-def exact_bucket(phase: Phase, bs: int, size: int, ctx: int = 0) -> Bucket:
+def exact_bucket(phase: Phase, bs: int, size: int, ctx: int = 0, query: int = 1) -> Bucket:
     """The bucket of exactly this shape: ``size`` is the prompt length or total blocks,
-    ``ctx`` the prompts' context blocks."""
-    return Bucket(bs, size, ctx) if phase is Phase.PREFILL else Bucket(bs, 1, size)
+    ``ctx`` the prompts' context blocks, ``query`` a decode's tokens per row (more than
+    one: a speculative verify step)."""
+    return Bucket(bs, size, ctx) if phase is Phase.PREFILL else Bucket(bs, query, size)
 
 
 def padded_size(phase: Phase, bucket: Bucket) -> tuple[int, int]:

@@ -150,6 +150,19 @@ def decode_buckets(cfg: BucketRanges) -> list[Bucket]:
     return sorted(out)
 
 
+def verify_buckets(cfg: BucketRanges, query: int, max_batch: int | None = None
+                   ) -> list[Bucket]:
+    """Speculative decoding's verify buckets: the decode buckets with ``query`` tokens per
+    row (the last token and the drafts), up to the smallest planned batch that holds
+    ``max_batch`` rows (``disable_by_batch_size``: larger batches decode plain)."""
+    decode = decode_buckets(cfg)
+    batches = sorted({b.batch for b in decode})
+    cap = batches[-1] if batches else 0
+    if max_batch is not None:
+        cap = next((bs for bs in batches if bs >= max_batch), cap)
+    return sorted({Bucket(b.batch, query, b.blocks) for b in decode if b.batch <= cap})
+
+
 def _prefill_ok(cfg: BucketRanges, b: Bucket) -> bool:
     bs, q, ctx = b
     if ctx and (bs != 1 or not cfg.with_context):  # a prefill with context runs alone
@@ -204,9 +217,14 @@ def config_lines(cfg: BucketRanges) -> list[str]:
     ]
 
 
-def format_plan(cfg: BucketRanges) -> str:
+def format_plan(cfg: BucketRanges, verify: list[Bucket] | None = None) -> str:
+    """The plan's log lines; ``verify``: speculative decoding's verify buckets."""
     prompt, decode = prefill_buckets(cfg), decode_buckets(cfg)
-    return "\n".join(config_lines(cfg) + [
+    lines = config_lines(cfg) + [
         f"Generated {len(prompt)} prompt buckets [bs, query, num_blocks]: {prompt}",
         f"Generated {len(decode)} decode buckets [bs, query, num_blocks]: {decode}",
-    ])
+    ]
+    if verify:
+        lines.append(f"Generated {len(verify)} speculative verify (decode) buckets "
+                     f"[bs, query, num_blocks]: {verify}")
+    return "\n".join(lines)
