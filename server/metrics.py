@@ -71,6 +71,26 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric([self._model], value)
             yield counter
+        per_pos = getattr(s, "spec_accepted_per_pos", ())
+        if per_pos:  # --speculative-config: vLLM's acceptance counters
+            for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Draft runs verified (one per sequence "
+                 "per verify step).", s.spec_num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 s.spec_num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 s.spec_num_accepted_tokens),
+            ):
+                counter = CounterMetricFamily(name, doc, labels=labels)
+                counter.add_metric([self._model], value)
+                yield counter
+            counter = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each position of the draft.",
+                labels=labels + ["position"])
+            for pos, value in enumerate(per_pos):
+                counter.add_metric([self._model, str(pos)], value)
+            yield counter
         max_lora = getattr(s, "max_lora", 0)
         if max_lora:  # --enable-lora: vLLM's info gauge (the value: when it was read)
             info = GaugeMetricFamily(

@@ -38,8 +38,8 @@ class SpeculativeSettings:
 
     method: SpecMethod
     num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
 
     @property
@@ -81,9 +81,12 @@ def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeSetti
     k = _int(data, "num_speculative_tokens", None)
     lo = _int(data, "prompt_lookup_min", None)
     hi = _int(data, "prompt_lookup_max", None)
-    # vLLM's rule: one of the two given sets the other
-    lo = lo if lo is not None else (hi if hi is not None else 1)
-    hi = hi if hi is not None else max(lo, 4)
+    # vLLM's rule: neither given, both 5; one given sets the other
+    if lo is None and hi is None:
+        lo = hi = 5
+    lo = lo if lo is not None else hi
+    hi = hi if hi is not None else lo
+    assert lo is not None and hi is not None
     disable = _int(data, "disable_by_batch_size", None)
     if k is None or k < 1:
         raise ValueError(f"{where}: num_speculative_tokens must be an integer >= 1")

@@ -40,6 +40,8 @@ class _Totals:
     preemptions: int
     compilations: int
     bucket_misses: int
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class StatsLog:
@@ -72,7 +74,8 @@ class StatsLog:
         return _Totals(time.monotonic(), self.prompt_tokens, self.generation_tokens,
                        stats.prefix_cache_queries, stats.prefix_cache_hits,
                        stats.num_preemptions, self._counters.compilations(stage=Stage.SERVING),
-                       self._misses())
+                       self._misses(), stats.spec_num_draft_tokens,
+                       stats.spec_num_accepted_tokens)
 
     def line(self, last: _Totals | None, last_state: tuple | None
              ) -> tuple[_Totals, tuple, dict[str, object] | None]:
@@ -102,6 +105,11 @@ class StatsLog:
             "compilations": now.compilations,
             "bucket_misses": now.bucket_misses,
         }
+        drafted = now.spec_draft_tokens - last.spec_draft_tokens
+        if stats.spec_accepted_per_pos:  # --speculative-config: this interval's acceptance
+            fields["spec_acceptance_rate"] = round(
+                (now.spec_accepted_tokens - last.spec_accepted_tokens) / drafted, 4
+            ) if drafted else None
         return now, state, fields
 
     async def run(self) -> None:
