@@ -67,8 +67,8 @@ def prompts(vocab: int) -> list[list[int]]:
 def llm(folder: str, spec: dict | None, kernels: bool = True, **extra) -> LLM:
     env = {"HPU_SERVE_CPU_KERNELS": "1" if kernels else "0"}
     kw = {"speculative_config": spec} if spec else {}
-    return LLM(folder, dtype="float32", block_size=16, max_num_seqs=8, environ=env,
-               **kw, **extra)
+    return LLM(folder, **{"dtype": "float32", "block_size": 16, "max_num_seqs": 8,
+                          "environ": env, **kw, **extra})
 
 
 def outputs(engine: LLM, batch: list[list[int]], **fields) -> list[list[list[int]]]:
