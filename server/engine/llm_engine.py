@@ -77,9 +77,6 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, platform: Platform) -> None:
-        if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported "
-                             "yet")
         parallel = self.executor.parallel if self.executor is not None else SINGLE
         source = resolve_model_source(config.model.model)
         quantization = config.model.quantization
@@ -105,7 +102,8 @@ class LLMEngine:
             loaded.config.eos_token_ids)
         self.runner = build_model_runner(
             config, platform, source, loaded, parallel, self.eos_token_ids,
-            self.executor.broadcasting if self.executor is not None else None)
+            self.executor.broadcasting if self.executor is not None else None,
+            self.executor.broadcasting_lora if self.executor is not None else None)
         self.limits = self.runner.limits  # resolved once, as on every other rank
         block_size = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
