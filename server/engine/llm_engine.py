@@ -187,8 +187,8 @@ class LLMEngine:
         """Tokenizes and validates without touching engine state: safe from any thread.
         ``grammar=False``: the constraint is only checked, for the caller to compile
         (``input_processor.start_grammar``) without holding this thread."""
-        if lora_request is not None and self.runner.lora is None:
-            raise RequestError("LoRA adapters are not enabled (--enable-lora)", "model")
+        if lora_request is not None:  # read and checked here, off the engine thread
+            self.add_lora(lora_request)
         return self.input_processor.process(request_id, prompt, params, arrival_time, client,
                                             grammar, lora_request)
 
@@ -198,16 +198,13 @@ class LLMEngine:
             raise EngineSleepingError("the engine is sleeping (POST /wake_up to resume)")
         if state.request_id in self.output_processor.requests:
             raise RequestError(f"request id {state.request_id!r} is already in use", "request_id")
-        lora = state.seqs[0].lora if state.seqs else None
-        if lora is not None:  # read and checked here, on the runner's thread
-            self.add_lora(lora)
         self.output_processor.add(state)
         for seq in state.seqs:
             self.scheduler.add(seq)
 
     def add_lora(self, request: LoRARequest) -> None:
-        """Reads and checks an adapter into host memory (engine thread); a RequestError
-        names what is wrong with it."""
+        """Reads and checks an adapter into host memory (any thread: the device slots are
+        filled by the step that needs it); a RequestError names what is wrong with it."""
         if self.runner.lora is None:
             raise RequestError("LoRA adapters are not enabled (--enable-lora)", "model")
         try:
