@@ -165,6 +165,12 @@ def check_model(ctx: ServingContext, name: str | None) -> LoRARequest | None:
     return lora
 
 
+def answered_model(ctx: ServingContext, lora: LoRARequest | None) -> str:
+    """What an answer's ``model`` says: the adapter that served it (vLLM names the adapter),
+    else the base model."""
+    return lora.lora_name if lora is not None else ctx.model_name
+
+
 def refuse_generation(ctx: ServingContext) -> None:
     """A pooling server refuses text generation (chat, completions, and the Responses and
     Messages APIs built on them) with a 400 naming ``--runner``."""

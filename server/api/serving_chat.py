@@ -36,6 +36,7 @@ from server.api.serving import (
     RequestTag,
     ServingContext,
     accumulate,
+    answered_model,
     build_sampling_params,
     cached_tokens,
     check_model,
@@ -68,6 +69,7 @@ class ChatRun:
     stream: AsyncIterator[RequestOutput]
     plan: ToolPlan
     reasoning: type[ReasoningParser] | None
+    model: str  # what the answer's model field says (an adapter's name, or the base's)
 
     def reader(self) -> ChoiceReader:
         return ChoiceReader(self.plan, self.reasoning)
@@ -126,7 +128,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
     stream = tapped(await submit(ctx, tag, build, params.n, lora=lora),
                     request_tap(ctx, params, tag))
-    return ChatRun(stream, plan, ctx.reasoning_parser)
+    return ChatRun(stream, plan, ctx.reasoning_parser, answered_model(ctx, lora))
 
 
 async def create_chat_completion(
@@ -137,7 +139,7 @@ async def create_chat_completion(
     response_id = f"chatcmpl-{tag.request_id}"
     echoed = _echo_text(req)
     if req.stream:
-        return _stream(ctx, stream, response_id, req, reader, echoed)
+        return _stream(ctx, stream, response_id, req, reader, echoed, run.model)
     final = await accumulate(stream)
 
     def build() -> bytes:  # on a worker: logprobs of n=128 x 512 tokens are 1.3M entries
@@ -165,7 +167,7 @@ async def create_chat_completion(
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
         skeleton = ChatCompletionResponse(
-            id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
+            id=response_id, created=created_now(), model=run.model, choices=choices,
             usage=usage(len(final.prompt_token_ids), final.num_generated_tokens,
                         cached_tokens(ctx, final)),
             system_fingerprint=system_fingerprint(ctx.model_name),
@@ -240,7 +242,7 @@ def _finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:
 
 async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], response_id: str,
                   req: ChatCompletionRequest, reader: Callable[[], ChoiceReader],
-                  echoed: str | None) -> AsyncIterator[str]:
+                  echoed: str | None, model: str) -> AsyncIterator[str]:
     """The request's SSE chunks. vLLM's extras: with ``continuous_usage_stats`` every chunk
     carries the usage so far; with ``return_token_ids`` the first chunk carries the prompt's
     token ids and each choice its new ones."""
@@ -270,7 +272,7 @@ async def _stream(ctx: ServingContext, stream: AsyncIterator[RequestOutput], res
 
     def chunk(choices: list[ChatStreamChoice],
               logprobs: list[dict[str, Any] | None] | None = None, **extra: object) -> str:
-        body = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name,
+        body = ChatCompletionChunk(id=response_id, created=created, model=model,
                                    choices=choices,
                                    system_fingerprint=system_fingerprint(ctx.model_name),
                                    **extra)

@@ -19,6 +19,7 @@ from server.api.request_checks import check_limits, prompt_logprobs_of, reject_u
 from server.api.serving import (
     RequestTag,
     ServingContext,
+    answered_model,
     build_sampling_params,
     cached_tokens,
     check_model,
@@ -109,7 +110,7 @@ async def create_completion(
         raise
     response_id = f"cmpl-{tag.request_id}"
     if req.stream:
-        return _stream(ctx, streams, response_id, req, prompts)
+        return _stream(ctx, streams, response_id, req, prompts, answered_model(ctx, lora))
     finals: dict[int, RequestOutput] = {}
     async for i, out in merge(streams):
         if i in finals:
@@ -140,7 +141,8 @@ async def create_completion(
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
         generated = sum(o.num_generated_tokens for o in finals.values())
         skeleton = CompletionResponse(
-            id=response_id, created=created_now(), model=ctx.model_name, choices=choices,
+            id=response_id, created=created_now(), model=answered_model(ctx, lora),
+            choices=choices,
             usage=usage(prompt_tokens, generated, cached_tokens(ctx, *finals.values())),
             system_fingerprint=system_fingerprint(ctx.model_name))
         return answer_bytes(skeleton, logprobs)
@@ -149,8 +151,8 @@ async def create_completion(
 
 
 async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput]],
-                  response_id: str, req: CompletionRequest, prompts: list[str | list[int]]
-                  ) -> AsyncIterator[str]:
+                  response_id: str, req: CompletionRequest, prompts: list[str | list[int]],
+                  model: str) -> AsyncIterator[str]:
     options = req.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)
@@ -166,7 +168,7 @@ async def _stream(ctx: ServingContext, streams: list[AsyncIterator[RequestOutput
 
     def chunk(choices: list[CompletionChoice],
               logprobs: list[dict[str, Any] | None] | None = None, **extra: object) -> str:
-        body = CompletionResponse(id=response_id, created=created, model=ctx.model_name,
+        body = CompletionResponse(id=response_id, created=created, model=model,
                                   choices=choices,
                                   system_fingerprint=system_fingerprint(ctx.model_name),
                                   **extra)

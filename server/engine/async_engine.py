@@ -123,10 +123,12 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
-        """Reads and checks an adapter (on the engine thread, between steps) and serves it
-        under ``name`` from then on; a RequestError names what is wrong."""
+        """Reads and checks an adapter on a worker thread (a slow disk or a large adapter
+        never holds up the running streams; the step that first needs it copies it into a
+        slot) and serves it under ``name`` from then on; a RequestError names what is
+        wrong."""
         request = self.engine.loras.new_request(name, path)
-        await self._on_engine(self.engine.add_lora, request)
+        await asyncio.to_thread(self.engine.add_lora, request)
         self.engine.loras.add(request)
         return request
 

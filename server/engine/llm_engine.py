@@ -79,9 +79,6 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, platform: Platform) -> None:
-        if config.lora.enable_lora and config.parallel.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported "
-                             "yet")
         parallel = self.executor.parallel if self.executor is not None else SINGLE
         source = resolve_model_source(config.model.model)
         quantization = config.model.quantization
@@ -107,7 +104,8 @@ class LLMEngine:
             loaded.config.eos_token_ids)
         self.runner = build_model_runner(
             config, platform, source, loaded, parallel, self.eos_token_ids,
-            self.executor.broadcasting if self.executor is not None else None)
+            self.executor.broadcasting if self.executor is not None else None,
+            self.executor.broadcasting_lora if self.executor is not None else None)
         self.limits = self.runner.limits  # resolved once, as on every other rank
         block_size = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
@@ -197,8 +195,8 @@ class LLMEngine:
         """Tokenizes and validates without touching engine state: safe from any thread.
         ``grammar=False``: the constraint is only checked, for the caller to compile
         (``input_processor.start_grammar``) without holding this thread."""
-        if lora_request is not None and self.runner.lora is None:
-            raise RequestError("LoRA adapters are not enabled (--enable-lora)", "model")
+        if lora_request is not None:  # read and checked here, off the engine thread
+            self.add_lora(lora_request)
         return self.input_processor.process(request_id, prompt, params, arrival_time, client,
                                             grammar, lora_request)
 
@@ -208,16 +206,13 @@ class LLMEngine:
             raise EngineSleepingError("the engine is sleeping (POST /wake_up to resume)")
         if state.request_id in self.output_processor.requests:
             raise RequestError(f"request id {state.request_id!r} is already in use", "request_id")
-        lora = state.seqs[0].lora if state.seqs else None
-        if lora is not None:  # read and checked here, on the runner's thread
-            self.add_lora(lora)
         self.output_processor.add(state)
         for seq in state.seqs:
             self.scheduler.add(seq)
 
     def add_lora(self, request: LoRARequest) -> None:
-        """Reads and checks an adapter into host memory (engine thread); a RequestError
-        names what is wrong with it."""
+        """Reads and checks an adapter into host memory (any thread: the device slots are
+        filled by the step that needs it); a RequestError names what is wrong with it."""
         if self.runner.lora is None:
             raise RequestError("LoRA adapters are not enabled (--enable-lora)", "model")
         try:

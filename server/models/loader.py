@@ -37,7 +37,7 @@ from server.models.safetensors_files import (
     safetensors_slices,
     safetensors_tensors,
 )
-from server.models.tensor_parallel import build_model
+from server.models.tensor_parallel import ShardPlan, build_model
 from server.models.weight_load import TensorOrigin, load_into
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,8 @@ class LoadedModel:
     num_params: int
     num_bytes: int
     seconds: float
+    # tensor parallelism: which slices this rank holds (None: the whole model)
+    plan: ShardPlan | None = None
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device,
@@ -183,7 +185,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
                     full_cfg.num_heads, plan.kv_heads, full_cfg.num_kv_heads,
                     plan.kv_replicas, plan.vocab_start,
                     plan.vocab_start + plan.vocab_per_rank - 1)
-    return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds)
+    return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds, plan)
 
 
 def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:

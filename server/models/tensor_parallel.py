@@ -33,6 +33,7 @@ from torch import nn
 from server.hpu.distributed import ParallelContext
 from server.models.config import ModelConfig
 from server.models.llama import LlamaForCausalLM
+from server.models.lora import LoRAAdapter, LoRASite
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -176,6 +177,39 @@ class ShardPlan:
         return Cut()  # replicated: norms, the router, RoPE factors
 
 
+    # LoRA adapters (server/models/lora): each ``A [P * r, in]``, ``B^T [P * r, out]`` cut
+    # as its base linear is
+
+    def shard_lora(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """This rank's part of an adapter read whole: column-parallel sites (qkv, gate_up)
+        keep their output columns of ``B^T`` and the whole ``A``; row-parallel ones (o,
+        down) their input columns of ``A`` and the whole ``B^T``, so each rank's delta is a
+        partial sum that the layer's one all-reduce completes with the base output."""
+        weights = {}
+        for (layer, site), (a, bt) in adapter.weights.items():
+            a_cut, bt_cut = self._lora_cuts(site, bt.shape[1])
+            weights[(layer, site)] = (_cut(a_cut, a), _cut(bt_cut, bt))
+        return LoRAAdapter(adapter.rank, weights)
+
+    def _lora_cuts(self, site: LoRASite, outputs: int) -> tuple[Cut, Cut]:
+        """(cut of ``A``, cut of ``B^T``), both along dim 1, as the site's base weight."""
+        cfg = self.config
+        d = cfg.head_dim
+        inter = cfg.intermediate_size // self.world_size
+        q_rows = (self.rank * self.q_heads * d, self.q_heads * d)
+        if site is LoRASite.QKV:
+            q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
+            kv_start, kv_len = self.first_kv_head * d, self.kv_heads * d
+            return Cut(), Cut(1, (q_rows, (q_all + kv_start, kv_len),
+                                  (q_all + kv_all + kv_start, kv_len)))
+        if site is LoRASite.GATE_UP:
+            half = outputs // 2
+            return Cut(), Cut(1, ((self.rank * inter, inter), (half + self.rank * inter, inter)))
+        if site is LoRASite.O:
+            return Cut(1, (q_rows,)), Cut()
+        return Cut(1, ((self.rank * inter, inter),)), Cut()  # DOWN
+
+
 @dataclass(frozen=True, slots=True)
 class Cut:
     """A rank's part of a checkpoint tensor: ``ranges`` (start, length) along ``dim``,
@@ -201,6 +235,10 @@ def _apply(cut: Cut, shape: tuple[int, ...], read: Callable[[tuple[slice, ...]],
         pad[cut.dim] = cut.pad_to - out.shape[cut.dim]
         out = torch.cat([out, out.new_zeros(pad)], dim=cut.dim)
     return out
+
+
+def _cut(cut: Cut, tensor: torch.Tensor) -> torch.Tensor:
+    return _apply(cut, tuple(tensor.shape), lambda index: tensor[index]) if cut.ranges else tensor
 
 
 _EXPERT_IN = re.compile(r"\.experts\.\d+\.(w1|w3|gate_proj|up_proj)\.weight$")

@@ -1,6 +1,7 @@
-"""Adapters through the real HTTP server and the OpenAI SDK: selection by ``model``,
-/v1/models, runtime load / unload (VLLM_ALLOW_RUNTIME_LORA_UPDATING), bad adapters as 400s
-that name the problem (the engine serving on), and vLLM's lora_requests_info gauge."""
+"""Adapters through the real HTTP server and the OpenAI and Anthropic SDKs: selection by
+``model``, answers naming the adapter, /v1/models, runtime load / unload
+(VLLM_ALLOW_RUNTIME_LORA_UPDATING), prefix-cache isolation between adapters, bad adapters as
+400s that name the problem (the engine serving on), and vLLM's lora_requests_info gauge."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -33,7 +35,7 @@ def adapters(tiny_model, adapter_factory) -> dict[str, str]:
 def lora_server(tiny_model, adapters):
     srv = start_server(tiny_model[0], *TINY_FLAGS, "--enable-lora", "--max-loras", "2",
                        "--max-lora-rank", "16", "--lora-modules", f"a={adapters['a']}",
-                       env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+                       f"c={adapters['b']}", "--enable-prompt-tokens-details", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     yield srv
     srv.stop()
 
@@ -90,6 +92,63 @@ def test_runtime_adapter_serves_alongside_and_unloads(lora_server, tiny_model,
     assert again.status_code == 404
     assert again.json()["error"]["message"] == "The lora adapter 'b' cannot be found."
     assert "b" not in {c["id"] for c in httpx.get(url + "/v1/models").json()["data"]}
+
+
+def test_answers_name_the_adapter(lora_server) -> None:
+    """vLLM names the adapter in an answer's model field: completions, chat (whole and
+    streamed), the Responses API and Anthropic's Messages API; the base keeps its name."""
+    url = lora_server.base_url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    messages = [{"role": "user", "content": "hi"}]
+    for model in ("a", MODEL_NAME):
+        done = client.completions.create(model=model, prompt=[5, 6], max_tokens=2)
+        assert done.model == model
+        chunks = list(client.completions.create(model=model, prompt=[5, 6], max_tokens=2,
+                                                stream=True))
+        assert chunks and {c.model for c in chunks} == {model}
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+        assert chat.model == model
+        chunks = list(client.chat.completions.create(model=model, messages=messages,
+                                                     max_tokens=2, stream=True))
+        assert chunks and {c.model for c in chunks} == {model}
+        assert client.responses.create(model=model, input="hi",
+                                       max_output_tokens=2).model == model
+        claude = anthropic.Anthropic(base_url=url, api_key="x")
+        assert claude.messages.create(model=model, messages=messages,
+                                      max_tokens=2).model == model
+        with claude.messages.stream(model=model, messages=messages, max_tokens=2) as events:
+            assert events.get_final_message().model == model
+
+
+def test_prefix_cache_is_not_shared_between_adapters(lora_server, tiny_model,
+                                                     adapters) -> None:
+    """The same long prompt for adapter a, then adapter c (b's weights), then a again:
+    c's first request computes every token (0 cached), a's second reuses a's blocks, and
+    every answer is its merged reference's."""
+    url, hf_model = lora_server.base_url, tiny_model[1]
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, hf_model.config.vocab_size, (70,), generator=gen).tolist()
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+
+    def complete(model: str) -> tuple[list[int], int]:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        details = out.usage.prompt_tokens_details
+        assert details is not None  # --enable-prompt-tokens-details
+        return ([int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens],
+                details.cached_tokens or 0)
+
+    first_a, _ = complete("a")
+    first_c, cached_c = complete("c")
+    second_a, cached_a = complete("a")
+    assert cached_c == 0
+    assert cached_a >= 64  # four whole 16-token blocks of a's own
+    want_a = hf_greedy(merged(hf_model, adapters["a"]), prompt, NEW_TOKENS)
+    want_c = hf_greedy(merged(hf_model, adapters["b"]), prompt, NEW_TOKENS)
+    assert want_a != want_c
+    assert first_a == second_a == want_a
+    assert first_c == want_c
 
 
 def _copy(src: str, dst: Path, edit=None) -> str:

@@ -31,7 +31,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, tag: Request
     run = await start_chat(ctx, to_chat_request(req), tag)
     message_id = f"msg_{tag.request_id}"
     if req.stream:
-        return message_events(run, message_id, ctx.model_name, show_thinking)
+        return message_events(run, message_id, run.model, show_thinking)
     final = await accumulate(run.stream)
 
     def build() -> bytes:  # on a worker, as every answer is serialized
@@ -40,7 +40,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, tag: Request
         parts = read.whole(completion.text)
         reason, sequence = stop_reason(completion, read.called)
         message = MessageResponse(
-            id=message_id, model=ctx.model_name, content=content_blocks(parts, show_thinking),
+            id=message_id, model=run.model, content=content_blocks(parts, show_thinking),
             stop_reason=reason, stop_sequence=sequence,
             usage=usage(final, final.num_generated_tokens))
         return dumps(message.model_dump()).encode("utf-8")

@@ -69,7 +69,7 @@ class ResponsesService:
             history = previous.conversation
         conversation = history + input_messages(req)
         run = await start_chat(ctx, chat_request(req, conversation), tag)
-        response = skeleton(req, new_id("resp"), ctx.model_name, ResponseStatus.IN_PROGRESS)
+        response = skeleton(req, new_id("resp"), run.model, ResponseStatus.IN_PROGRESS)
         if req.background:
             entry = StoredResponse(response.model_copy(update={"status": ResponseStatus.QUEUED}),
                                    conversation)

@@ -11,7 +11,9 @@ weights (tensor_parallel.py) and builds its model runner through the same functi
 An order is one graph-runner call (:class:`Op` ``RUN``, ``WARM`` or ``CAPTURE``) of rank 0,
 with the phase, the bucket and the step's :class:`ForwardInputs`, broadcast as one pickled
 object
-(``broadcast_object_list``: a length, then the bytes). Sending the built inputs rather than
+(``broadcast_object_list``: a length, then the bytes); with ``--enable-lora``, also a
+:class:`LoRAOrder` to copy an adapter into a slot (the step's inputs name slots, so the
+slots' contents must match on every rank). Sending the built inputs rather than
 the scheduled sequences keeps the workers stateless (nothing to keep in step with rank 0:
 no block tables, no sequences) and makes every rank run the very same bucket on the very
 same tensors, so their collectives always match. The cost is the inputs' size per step (a
@@ -51,6 +53,7 @@ from server.hpu.graph_runner import ForwardInputs, ShapeRunner
 from server.hpu.platform import Platform, detect_platform
 from server.hpu.types import Bucket, Phase, SyncPoint
 from server.models.loader import load_model, resolve_model_source
+from server.models.lora import LoRAAdapter, LoRASlots, SlotWriter
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,41 @@ class Order:
     phase: Phase
     bucket: Bucket
     inputs: ForwardInputs
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAOrder:
+    """Copy an adapter (whole, as rank 0 read and checked it; each rank cuts its own part)
+    into a LoRA slot, or clear the slot (``adapter`` None). Sent between steps, before the
+    step that reads the slot, so every rank's slots match at every step."""
+
+    slot: int
+    adapter: LoRAAdapter | None
+
+
+class BroadcastingSlots:
+    """Rank 0's LoRA slots (a :class:`~server.models.lora.SlotWriter`): every copy into a
+    slot is ordered to the workers, then made here."""
+
+    def __init__(self, inner: LoRASlots, parallel: ParallelContext) -> None:
+        self.inner = inner
+        self.parallel = parallel
+
+    @property
+    def num_slots(self) -> int:
+        return self.inner.num_slots
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.parallel.broadcast_object(LoRAOrder(slot, adapter))
+        self.inner.load(slot, adapter)
+
+    def clear(self, slot: int) -> None:
+        self.parallel.broadcast_object(LoRAOrder(slot, None))
+        self.inner.clear(slot)
 
 
 class BroadcastingRunner(ShapeRunner):
@@ -221,6 +259,11 @@ class RankExecutor(ABC):
         model runner at construction)."""
         return BroadcastingRunner(inner, self.parallel)
 
+    def broadcasting_lora(self, inner: LoRASlots) -> SlotWriter:
+        """Rank 0's LoRA slots, which have every rank copy the same adapter into the same
+        slot (given to rank 0's model runner at construction)."""
+        return BroadcastingSlots(inner, self.parallel)
+
     def _watch(self) -> None:
         try:
             exited = self._wait_for_exit()
@@ -290,6 +333,9 @@ def serve_rank(config: EngineConfig, rank: int, host: str, port: int, local_rank
             order = parallel.broadcast_object()
             if order is Op.STOP:
                 break
+            if isinstance(order, LoRAOrder):
+                _follow_lora(runner, order)
+                continue
             assert isinstance(order, Order), order
             inputs = tensors_to(order.inputs, platform.device)
             if order.op is Op.RUN:
@@ -303,3 +349,11 @@ def serve_rank(config: EngineConfig, rank: int, host: str, port: int, local_rank
                 raise ValueError(f"unknown order {order.op!r}")
     close_parallel(parallel)
     logger.info("Tensor-parallel rank %d stopped", rank)
+
+
+def _follow_lora(runner: ModelRunner, order: LoRAOrder) -> None:
+    assert runner.lora is not None, "a LoRA order without --enable-lora"
+    if order.adapter is None:
+        runner.lora.slots.clear(order.slot)
+    else:
+        runner.lora.slots.load(order.slot, order.adapter)

@@ -10,6 +10,7 @@ place; no shape changes, no graph is built).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -18,7 +19,7 @@ import torch
 from server.config import LoRAConfig
 from server.engine.lora.request import LoRARequest
 from server.models.config import ModelConfig
-from server.models.lora import LoRAAdapter, LoRASlots, load_peft_adapter
+from server.models.lora import LoRAAdapter, SlotWriter, load_peft_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +30,19 @@ def lora_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 class LoRAManager:
     """Host cache (``max_cpu_loras`` adapters) and device slots (``max_loras``) of one
-    model runner."""
+    model runner. ``model_config`` is the whole model's (adapters are checked against it,
+    and cut into a rank's part by the slots under tensor parallelism).
 
-    def __init__(self, config: LoRAConfig, model_config: ModelConfig, slots: LoRASlots) -> None:
+    :meth:`load` may run on any thread (the files are read off the engine thread, see
+    AsyncEngine.load_lora_adapter); the slots are only touched by :meth:`slots_for` and
+    :meth:`remove`, on the engine thread, between steps."""
+
+    def __init__(self, config: LoRAConfig, model_config: ModelConfig,
+                 slots: SlotWriter) -> None:
         self.config = config
         self.model_config = model_config
         self.slots = slots
+        self._lock = threading.Lock()  # guards the host cache
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
         self._paths: dict[int, str] = {}
         # slot (1..S) -> adapter id held, least recently used first
@@ -44,23 +52,28 @@ class LoRAManager:
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter in host memory, read and checked first if it is not there (raises
         server.models.lora.AdapterError naming the problem)."""
-        adapter = self._host.get(request.lora_int_id)
-        if adapter is not None and self._paths.get(request.lora_int_id) == request.lora_path:
-            self._host.move_to_end(request.lora_int_id)
-            return adapter
+        with self._lock:
+            adapter = self._host.get(request.lora_int_id)
+            if adapter is not None and self._paths.get(request.lora_int_id) == request.lora_path:
+                self._host.move_to_end(request.lora_int_id)
+                return adapter
+        # read outside the lock: a slow disk holds up no other adapter
         adapter = load_peft_adapter(request.lora_path, self.model_config,
                                     self.config.max_lora_rank, self.slots.dtype)
-        self._host[request.lora_int_id] = adapter
-        self._paths[request.lora_int_id] = request.lora_path
-        while len(self._host) > self.config.cpu_capacity:
-            dropped, _ = self._host.popitem(last=False)
-            self._paths.pop(dropped, None)
+        with self._lock:
+            self._host[request.lora_int_id] = adapter
+            self._host.move_to_end(request.lora_int_id)
+            self._paths[request.lora_int_id] = request.lora_path
+            while len(self._host) > self.config.cpu_capacity:
+                dropped, _ = self._host.popitem(last=False)
+                self._paths.pop(dropped, None)
         return adapter
 
     def remove(self, adapter_id: int) -> None:
         """Forgets an adapter (unloaded): host copy and device slot."""
-        self._host.pop(adapter_id, None)
-        self._paths.pop(adapter_id, None)
+        with self._lock:
+            self._host.pop(adapter_id, None)
+            self._paths.pop(adapter_id, None)
         for slot, held in list(self._slot_of.items()):
             if held == adapter_id:
                 del self._slot_of[slot]

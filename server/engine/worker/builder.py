@@ -5,7 +5,8 @@ here, so they resolve the same limits (the step's token budget included), size t
 cache and plan the same buckets: their collectives must match shape for shape. What differs
 is given, not patched in later: rank 0 samples (its end-of-sequence ids) and wraps its
 graph runner (``wrap_graphs``: the executor's broadcasting runner, which has every rank run
-what rank 0 runs).
+what rank 0 runs) and its LoRA slots (``wrap_lora``: every rank copies the same adapter into
+the same slot).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ShapeRunner
 from server.hpu.platform import Platform
 from server.models.loader import LoadedModel, ModelSource, load_int4_weights
+from server.models.lora import LoRASlots, SlotWriter
 
 # Wraps the platform's graph runner (tensor parallelism's rank 0: broadcast, then run).
 GraphRunnerWrapper = Callable[[ShapeRunner], ShapeRunner]
+# Wraps rank 0's LoRA slots the same way (broadcast each copy, then make it).
+SlotsWrapper = Callable[[LoRASlots], SlotWriter]
 
 
 def resolve_limits(config: EngineConfig, platform: Platform,
@@ -40,7 +44,8 @@ def resolve_limits(config: EngineConfig, platform: Platform,
 def build_model_runner(config: EngineConfig, platform: Platform, source: ModelSource,
                        loaded: LoadedModel, parallel: ParallelContext = SINGLE,
                        eos_token_ids: frozenset[int] = frozenset(),
-                       wrap_graphs: GraphRunnerWrapper | None = None) -> ModelRunner:
+                       wrap_graphs: GraphRunnerWrapper | None = None,
+                       wrap_lora: SlotsWrapper | None = None) -> ModelRunner:
     """The model runner of this rank for ``loaded`` (this rank's slices under tensor
     parallelism). ``eos_token_ids``: what the sampler stops on (rank 0 only samples)."""
     # A GGUF's own 4-bit codes, read only if the platform serves from them (whole
@@ -52,4 +57,4 @@ def build_model_runner(config: EngineConfig, platform: Platform, source: ModelSo
         config, platform, loaded,
         resolve_limits(config, platform, loaded.config.max_position_embeddings),
         eos_token_ids, config.model.served_model_name or source.name,
-        writable_cache_dir(config.cache_dir), int4_weights, parallel, wrap_graphs)
+        writable_cache_dir(config.cache_dir), int4_weights, parallel, wrap_graphs, wrap_lora)

@@ -49,7 +49,7 @@ from server.hpu.types import Bucket, BucketLimits, DecodeLayout, Phase, SyncPoin
 from server.hpu.warmup import WarmupHooks, run_warmup
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import LoadedModel
-from server.models.lora import LoRASlots
+from server.models.lora import LoRASlots, SlotWriter
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ class ModelRunner:
                  cache_dir: Path,
                  int4_weights: Callable[[], Mapping[str, Any]] | None = None,
                  parallel: ParallelContext = SINGLE,
-                 wrap_graphs: Callable[[ShapeRunner], ShapeRunner] | None = None) -> None:
+                 wrap_graphs: Callable[[ShapeRunner], ShapeRunner] | None = None,
+                 wrap_lora: Callable[[LoRASlots], SlotWriter] | None = None) -> None:
         self.platform = platform
         self.limits = limits
         self.model = loaded.model
@@ -107,10 +108,13 @@ class ModelRunner:
         # --enable-lora: fixed adapter slots in every layer, before any graph is built
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
+            plan = loaded.plan  # tensor parallelism: each rank holds its part of a slot
             slots = LoRASlots(cfg, config.lora.max_loras, config.lora.max_lora_rank,
-                              lora_dtype(config.lora.lora_dtype, loaded.dtype), platform.device)
+                              lora_dtype(config.lora.lora_dtype, loaded.dtype), platform.device,
+                              plan.shard_lora if plan is not None else None)
             loaded.model.enable_lora(slots)
-            self.lora = LoRAManager(config.lora, cfg, slots)
+            self.lora = LoRAManager(config.lora, plan.config if plan is not None else cfg,
+                                    slots if wrap_lora is None else wrap_lora(slots))
             logger.info("LoRA: %d slots of rank %d, %.1f MiB", slots.num_slots,
                         slots.max_rank, slots.nbytes / 2**20)
         # every rank must hold the same blocks (rank 0's block tables address them all)

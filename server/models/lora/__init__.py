@@ -2,7 +2,7 @@
 (ops.py) and the fixed device slots the model's projections read (slots.py)."""
 
 from server.models.lora.peft import AdapterError, LoRAAdapter, LoRASite, load_peft_adapter
-from server.models.lora.slots import LayerLoRA, LoRASlots
+from server.models.lora.slots import LayerLoRA, LoRASlots, SlotWriter
 
 __all__ = ["AdapterError", "LayerLoRA", "LoRAAdapter", "LoRASite", "LoRASlots",
-           "load_peft_adapter"]
+           "SlotWriter", "load_peft_adapter"]

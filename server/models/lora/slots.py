@@ -9,6 +9,9 @@ reallocated, so compiled or captured graphs keep reading the same storage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -45,11 +48,30 @@ class LayerLoRA(nn.Module):
         return y + delta.to(y.dtype).view(y.shape)
 
 
+class SlotWriter(Protocol):
+    """What fills the slots: :class:`LoRASlots`, or under tensor parallelism rank 0's
+    wrapper that has every rank make the same copy."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None: ...
+
+    def clear(self, slot: int) -> None: ...
+
+
 class LoRASlots:
-    """Every layer's :class:`LayerLoRA` for one model, and the copies in and out of slots."""
+    """Every layer's :class:`LayerLoRA` for one model, and the copies in and out of slots.
+    ``cfg`` is the model as this rank holds it; ``shard`` cuts an adapter read whole into
+    this rank's part (tensor parallelism: ``ShardPlan.shard_lora``)."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 shard: Callable[[LoRAAdapter], LoRAAdapter] | None = None) -> None:
+        self.shard = shard
         self.num_slots = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
@@ -64,10 +86,12 @@ class LoRASlots:
         return slot_mask(slots, self.num_slots, self.dtype)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copies ``adapter`` into ``slot`` (1..S) in place; the rest of the slot is
-        zeroed (a site or rank row the adapter lacks adds nothing)."""
+        """Copies ``adapter`` (whole, as read) into ``slot`` (1..S) in place; the rest of
+        the slot is zeroed (a site or rank row the adapter lacks adds nothing)."""
         assert 1 <= slot <= self.num_slots, slot
         self.clear(slot)
+        if self.shard is not None:
+            adapter = self.shard(adapter)
         rank = adapter.rank
         for (layer, site), (a, bt) in adapter.weights.items():
             a_slot, bt_slot = self.layers[layer].stacks(site)
