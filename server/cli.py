@@ -13,6 +13,8 @@ from server.config import (
     BucketingConfig,
     CacheConfig,
     EngineConfig,
+    PoolingConfig,
+    Runner,
     SchedulerConfig,
     SchedulerLimits,
     ServerConfig,
@@ -53,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
               defaults={"max_model_len": PLAN_MAX_MODEL_LEN})
     add_flags(buckets, BucketFitOptions)
     add_flags(buckets, SpeculativeConfig)
+    # a pooling model's plan is (batch, length) shapes of whole inputs, not prompt buckets
+    add_flags(buckets, PoolingConfig, only=("runner", "convert", "task"))
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
                            "synthetic streaming workload", formatter_class=HelpFormatter)
@@ -84,9 +88,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = None) -> int:
-    """The warmup plan for these limits and the VLLM_* bucketing environment."""
+    """The warmup plan for these limits and the VLLM_* bucketing environment (with
+    ``--runner pooling``: the pooling runner's (batch, length) plan)."""
     from server.config import bucketing_config_from_env
     from server.hpu.buckets.plan import format_plan, resolve_ranges, verify_buckets
+
+    try:
+        pooling = PoolingConfig(args.runner, args.convert, args.task)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if pooling.runner is Runner.POOLING:
+        return print_pooling_buckets(args)
 
     # the step's token budget, resolved as the engine resolves it (without a platform: its
     # default with chunked prefill is the generic one)
@@ -104,6 +116,23 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
     verify = (verify_buckets(ranges, spec.query_len, spec.disable_by_batch_size)
               if spec is not None else None)
     print(format_plan(ranges, verify))
+    return 0
+
+
+def print_pooling_buckets(args: argparse.Namespace) -> int:
+    """The buckets a pooling model warms, with the limits resolved as its engine resolves
+    them (no chunked prefill: an input runs whole)."""
+    from server.hpu.buckets.pooling import format_pooling_plan, pooling_buckets
+
+    try:
+        limits = SchedulerLimits.resolve(
+            SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens),
+            args.max_model_len, chunked_prefill=False)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(format_pooling_plan(pooling_buckets(limits.max_model_len, limits.max_num_seqs,
+                                              limits.max_num_batched_tokens)))
     return 0
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from server.engine.llm import LLM
+from server.hpu.cpu.linear import PackedLinear, packing_supported
 
 TEXTS = ["the quick brown fox jumps over the lazy dog",
          "paged attention stores keys",
@@ -39,6 +40,10 @@ def test_embeddings_equal_sentence_transformers(st_folder, kind: str, pooling: s
     assert all(abs(n - r) < 1e-3 * r for n, r in zip(norms, ref.norm(dim=-1).tolist()))
     # the long text was cut to max_seq_length, as sentence-transformers cuts it
     assert len(outs[2].prompt_token_ids) == 24
+    if kind != "qwen3" and packing_supported(torch.float32):
+        # what ran was the packed path (oneDNN GEMMs, GELU fused), not plain PyTorch
+        inter = llm.engine.loaded.model.encoder.layer[0].intermediate
+        assert isinstance(inter.dense, PackedLinear) and inter.act_fused
 
 
 @pytest.mark.slow

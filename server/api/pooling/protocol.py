@@ -26,6 +26,8 @@ class EmbeddingRequest(RequestModel):
     user: Text | None = None
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
+    # vLLM's newer spelling of normalize (for an embedding, the activation is the norm)
+    use_activation: bool | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -36,6 +38,7 @@ class ClassificationRequest(RequestModel):
     input: PoolingInput | None = None
     user: Text | None = None
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None  # false: the head's raw logits
 
 
 class ScoreRequest(RequestModel):
@@ -45,6 +48,7 @@ class ScoreRequest(RequestModel):
     text_1: Text | list[Text]
     text_2: Text | list[Text]
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None  # false: a cross-encoder's raw logit
 
 
 class RerankRequest(RequestModel):
@@ -56,6 +60,7 @@ class RerankRequest(RequestModel):
     top_n: int | None = None
     return_documents: bool = True
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
 
 
 class PoolingUsage(BaseModel):

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from server.api.answer_json import dumps
 from server.api.errors import APIError
+from server.api.pooling.checks import reject_unsupported
 from server.api.pooling.protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -143,7 +144,8 @@ def _embed_params(info: PoolingModelInfo, req: EmbeddingRequest) -> PoolingParam
     if req.dimensions is not None and info.matryoshka_dimensions is None:
         raise APIError(400, "dimensions is not supported: this model is not a Matryoshka "
                             "model (its config names no matryoshka_dimensions)", "dimensions")
-    return PoolingParams(PoolingTask.EMBED, req.dimensions, req.normalize,
+    normalize = req.normalize if req.normalize is not None else req.use_activation
+    return PoolingParams(PoolingTask.EMBED, req.dimensions, normalize,
                          req.truncate_prompt_tokens)
 
 
@@ -151,6 +153,7 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest,
                            tag: RequestTag) -> Response:
     info = pooling_info(ctx)
     check_model(ctx, req.model)
+    reject_unsupported(req, encoded=True, chat=req.messages is not None)
     if PoolingTask.EMBED not in info.tasks:
         raise APIError(400, "this model is a classifier: use /classify, /score or /rerank "
                             "(or serve it with --convert embed)", "model")
@@ -172,11 +175,13 @@ async def create_pooling(ctx: ServingContext, req: EmbeddingRequest,
     classifier's probabilities)."""
     info = pooling_info(ctx)
     check_model(ctx, req.model)
+    reject_unsupported(req, encoded=True, chat=req.messages is not None)
     if PoolingTask.EMBED in info.tasks:
         params = _embed_params(info, req)
     else:
         params = PoolingParams(PoolingTask.CLASSIFY,
-                               truncate_prompt_tokens=req.truncate_prompt_tokens)
+                               truncate_prompt_tokens=req.truncate_prompt_tokens,
+                               activation=req.use_activation is not False)
     outputs = await _pool(ctx, tag, _embedding_builders(ctx, req, params))
 
     def build() -> bytes:
@@ -196,10 +201,12 @@ async def create_classification(ctx: ServingContext, req: ClassificationRequest,
     if PoolingTask.CLASSIFY not in info.tasks:
         raise APIError(400, "this model has no classification head (/classify needs a "
                             "*ForSequenceClassification model)", "model")
+    reject_unsupported(req)
     if req.input is None:
         raise APIError(400, "input is required", "input")
     params = PoolingParams(PoolingTask.CLASSIFY,
-                           truncate_prompt_tokens=req.truncate_prompt_tokens)
+                           truncate_prompt_tokens=req.truncate_prompt_tokens,
+                           activation=req.use_activation is not False)
     outputs = await _pool(ctx, tag, [_given(i, params) for i in _inputs(req.input, "input")])
     data = []
     for i, o in enumerate(outputs):
@@ -229,7 +236,8 @@ def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, 
 
 
 async def score_pairs(ctx: ServingContext, tag: RequestTag, pairs: list[tuple[str, str]],
-                      truncate: int | None) -> tuple[list[float], int]:
+                      truncate: int | None, activation: bool = True
+                      ) -> tuple[list[float], int]:
     """A relevance score per pair and the tokens read: a cross-encoder's output on the pair,
     or the cosine similarity of the two embeddings."""
     info = pooling_info(ctx)
@@ -245,7 +253,7 @@ async def score_pairs(ctx: ServingContext, tag: RequestTag, pairs: list[tuple[st
                 enc = tok.hf(a, b, truncation=True, max_length=limit)
                 types = enc.get("token_type_ids")
                 return PromptInput(list(enc["input_ids"]), PoolingParams(
-                    PoolingTask.SCORE, truncate_prompt_tokens=truncate,
+                    PoolingTask.SCORE, truncate_prompt_tokens=truncate, activation=activation,
                     token_type_ids=tuple(types) if types is not None else None))
             return build
 
@@ -262,8 +270,10 @@ async def score_pairs(ctx: ServingContext, tag: RequestTag, pairs: list[tuple[st
 async def create_score(ctx: ServingContext, req: ScoreRequest, tag: RequestTag) -> Response:
     pooling_info(ctx)
     check_model(ctx, req.model)
+    reject_unsupported(req)
     scores, tokens = await score_pairs(ctx, tag, _pairs(req.text_1, req.text_2),
-                                       req.truncate_prompt_tokens)
+                                       req.truncate_prompt_tokens,
+                                       req.use_activation is not False)
     return JSONBytes(ScoreResponse(
         id=f"score-{tag.request_id}", model=ctx.model_name,
         data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
@@ -274,12 +284,14 @@ async def create_score(ctx: ServingContext, req: ScoreRequest, tag: RequestTag) 
 async def create_rerank(ctx: ServingContext, req: RerankRequest, tag: RequestTag) -> Response:
     pooling_info(ctx)
     check_model(ctx, req.model)
+    reject_unsupported(req)
     if not req.documents:
         raise APIError(400, "documents must be non-empty", "documents")
     if req.top_n is not None and req.top_n < 0:
         raise APIError(400, "top_n must be >= 0", "top_n")
     scores, tokens = await score_pairs(ctx, tag, [(req.query, d) for d in req.documents],
-                                       req.truncate_prompt_tokens)
+                                       req.truncate_prompt_tokens,
+                                       req.use_activation is not False)
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if req.top_n:
         order = order[:req.top_n]

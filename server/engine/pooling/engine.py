@@ -26,6 +26,7 @@ from server.engine.tokenizer import Tokenizer
 from server.hpu.buckets.pooling import pooling_buckets
 from server.hpu.counters import DeviceCounters
 from server.hpu.platform import detect_platform
+from server.models.encoders.bert import BertEncoder
 from server.models.encoders.load import load_pooling_model
 from server.models.loader import resolve_model_source
 
@@ -91,6 +92,10 @@ class PoolingEngine:
         mode = platform.resolve_mode(config.device)
         if mode is ExecutionMode.GRAPHS:
             mode = ExecutionMode.COMPILE
+        if (mode is ExecutionMode.EAGER and platform.device.type == "cpu"
+                and isinstance(self.loaded.model, BertEncoder)):
+            # inductor packs weights itself when it freezes a graph: only eager needs this
+            self.loaded.model.pack_for_cpu()
         self.counters = DeviceCounters(self.model_name)
         buckets = pooling_buckets(self.limits.max_model_len, self.limits.max_num_seqs,
                                   self.limits.max_num_batched_tokens)

@@ -33,9 +33,14 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held as an opaque oneDNN tensor (not a parameter)."""
+    """``y = act(x W^T + b)`` with ``W`` held as an opaque oneDNN tensor (not a parameter).
 
-    def __init__(self, linear: nn.Linear) -> None:
+    ``activation`` ("none", "gelu", "relu"; ``algorithm`` "none" or "tanh" for gelu) is
+    applied inside the GEMM's epilogue: one pass over the output instead of two.
+    """
+
+    def __init__(self, linear: nn.Linear, activation: str = "none",
+                 algorithm: str = "") -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.in_features = linear.in_features
@@ -46,12 +51,16 @@ class PackedLinear(nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_numel = weight.numel()
+        self.activation = activation
+        self.algorithm = algorithm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
+                                                  self.activation, [], self.algorithm)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        act = "" if self.activation == "none" else f", {self.activation}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed{act}"
 
 
 def pack_linear_layers(model: nn.Module) -> int:

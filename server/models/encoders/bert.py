@@ -17,6 +17,9 @@ from torch import nn
 
 _ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# the same activations as oneDNN's GEMM epilogues name them: (activation, algorithm)
+_ONEDNN_ACTS = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"),
+                "gelu_pytorch_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +112,14 @@ class Attention(nn.Module):
 class Intermediate(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.dense: nn.Module = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act_name = cfg.hidden_act
         self.act = _ACTS[cfg.hidden_act]
+        self.act_fused = False  # set when the activation runs inside a packed GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        y = self.dense(x)
+        return y if self.act_fused else self.act(y)
 
 
 class Layer(nn.Module):
@@ -195,6 +201,22 @@ class BertEncoder(nn.Module):
         if self.roberta:
             return self.classifier(cls)
         return self.classifier(self.pooler(cls))
+
+    def pack_for_cpu(self) -> int:
+        """Eager CPU: every linear packed in oneDNN's blocked layout, the intermediate
+        activation fused into its GEMM (measured on bge-small sizes, 128-token batches of 32:
+        1.1-1.4x per GEMM in float32). Returns how many were packed (0: not supported)."""
+        from server.hpu.cpu.linear import PackedLinear, pack_linear_layers, packing_supported
+
+        if not packing_supported(next(self.parameters()).dtype):
+            return 0
+        for layer in self.encoder.layer:
+            inter = layer.intermediate
+            act, algorithm = _ONEDNN_ACTS[inter.act_name]
+            assert isinstance(inter.dense, nn.Linear)
+            inter.dense = PackedLinear(inter.dense, act, algorithm)
+            inter.act_fused = True
+        return len(self.encoder.layer) + pack_linear_layers(self)
 
     @staticmethod
     def checkpoint_name(name: str) -> str | None:

@@ -83,8 +83,12 @@ def load_pooling_model(folder: str, dtype: torch.dtype, device: torch.device,
     has_head = any(a.endswith("ForSequenceClassification") for a in archs)
     classify = has_head if classify is None else classify
     if classify and not has_head:
+        # vLLM scores a causal LM by its "yes" / "no" next-token logits (Qwen3-Reranker, with
+        # --hf-overrides classifier_from_token): not implemented, so said rather than guessed
         raise ValueError("--convert classify needs a *ForSequenceClassification checkpoint "
-                         f"(this one is {', '.join(archs) or hf.model_type})")
+                         f"(this one is {', '.join(archs) or hf.model_type}); scoring a "
+                         "causal LM by its yes/no token logits (Qwen3-Reranker) is not "
+                         "supported")
     st = read_sentence_transformer(folder)
     model: BertEncoder | DecoderEncoder
     if hf.model_type in _ENCODERS:
