@@ -28,8 +28,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "layer_kernels.cpp", CSRC / "paged_attention.cpp")
-HEADERS = (CSRC / "kernel_utils.h",)
+SOURCES = (CSRC / "layer_kernels.cpp", CSRC / "paged_attention.cpp",
+           CSRC / "paged_attention_fp8.cpp")
+HEADERS = (CSRC / "kernel_utils.h", CSRC / "paged_attention.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-DNDEBUG", "-std=c++17", "-fPIC")
 _lock = threading.Lock()
