@@ -42,7 +42,7 @@ inline void store(BFloat16* p, int64_t i, float v) {
   reinterpret_cast<uint16_t*>(p)[i] = float_to_bf16_bits(v);
 }
 // fp8 e4m3 (KV caches only): c10's own conversions, so a cache written here holds the bytes
-// `tensor.to(torch.float8_e4m3fn)` would store (round to nearest even; NaN above 448).
+// `tensor.to(torch.float8_e4m3fn)` would store (round to nearest even, saturating at 448).
 inline float load(const Float8_e4m3fn* p, int64_t i) { return static_cast<float>(p[i]); }
 inline void store(Float8_e4m3fn* p, int64_t i, float v) { p[i] = Float8_e4m3fn(v); }
 
