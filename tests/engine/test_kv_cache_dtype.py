@@ -1,5 +1,5 @@
 """--kv-cache-dtype fp8: K/V stored as float8 e4m3, half the bytes; outputs close to the
-model-dtype cache (the prefill, which reads no cache, gives identical first tokens)."""
+model-dtype cache (identical first tokens here)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_fp8_outputs_track_the_plain_cache(pair) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     a = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     b = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
-    assert [x[0] for x in a] == [x[0] for x in b]  # prefill reads no cache
+    # PyTorch ops' prefill reads no cache; the fused CPU kernels' reads its keys back in fp8
+    assert [x[0] for x in a] == [x[0] for x in b]
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     assert same / sum(map(len, a)) >= 0.75, (a, b)
     assert fp8.engine.stats().num_free_blocks == fp8.engine.stats().num_blocks

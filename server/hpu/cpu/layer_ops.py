@@ -4,6 +4,11 @@ On CPU, per-op dispatch, not arithmetic, dominates small decode batches. The fus
 RoPE and SiLU round exactly where the PyTorch expressions round, so both give the same bf16
 values; attention differs in the last bits only: the kernel keeps scores in fp32 where the
 flat path rounds them to the model dtype.
+
+Every attention variant of the registry's families runs in the kernels: per-layer sliding
+windows (blocks before the window are not even read), soft-capped scores (Gemma 2), any
+head size (64, 96, 128 and 256 on compiled fast paths), fp8 e4m3 KV caches (written with
+PyTorch's rounding, widened as they are read) and partial rotary embeddings.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ class FusedCpuLayerOps(TorchLayerOps):
     # Decode metadata: per-row block tables and lengths, read in place by the kernel.
     decode_layout = DecodeLayout.BLOCK_TABLES
     dtypes = (torch.float32, torch.bfloat16)  # what the kernels are compiled for
+    # KV caches the kernels read and write besides the model's dtype (unscaled, as the
+    # engine stores them: see server/engine/worker/model_runner.py kv_cache_dtype)
+    kv_dtypes = (torch.float8_e4m3fn,)
 
     def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None,
                   window: int | None = None, partial_rotary: bool = False) -> bool:
-        # the kernels read K/V blocks in place, in these dtypes only, cap no scores, mask
-        # no window and rotate whole heads
-        return (kv_dtype in self.dtypes and attn_softcap is None and window is None
-                and not partial_rotary)
+        # windows, score caps and partial rotary all run in the kernels; a cache dtype
+        # they are not compiled for (float16, fp8 e5m2) does not
+        return kv_dtype in self.dtypes or kv_dtype in self.kv_dtypes
 
     def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
         """Keys transposed within each block, ``[blocks, Hkv, D, B]`` (see the kernels'
@@ -43,24 +50,34 @@ class FusedCpuLayerOps(TorchLayerOps):
         self._rms_norm = ops.rms_norm.default
         self._add_rms_norm = ops.add_rms_norm_.default
         self._silu_and_mul = ops.silu_and_mul.default
+        self._gelu_tanh_and_mul = ops.gelu_tanh_and_mul.default
         self._rotary = ops.rotary_write_kv.default
         self._attention = ops.decode_attention.default
         self._argmax = ops.argmax.default
 
+    @staticmethod
+    def _kernel_weight(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        # x's dtype, or Gemma's float32 weights under bf16 activations
+        return weight.dtype == x.dtype or (weight.dtype == torch.float32
+                                           and x.dtype == torch.bfloat16)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if weight.dtype != x.dtype:  # Gemma's float32 weights: the kernel takes one dtype
+        if not self._kernel_weight(x, weight):
             return super().rms_norm(x, weight, eps)
         return self._rms_norm(x.contiguous(), weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if weight.dtype != x.dtype:
+        if not self._kernel_weight(x, weight):
             return super().add_rms_norm(x, residual, weight, eps)
         residual = residual.contiguous()  # updated in place: the caller's copy is the stream
         return self._add_rms_norm(residual, x.contiguous(), weight, eps), residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._silu_and_mul(x.contiguous())
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gelu_tanh_and_mul(x.contiguous())
 
     def rotary_write_kv(self, qkv: torch.Tensor, rope: Rope, kv_cache: KVCache,
                         meta: AttentionMetadata, num_heads: int, num_kv_heads: int
@@ -83,23 +100,22 @@ class FusedCpuLayerOps(TorchLayerOps):
                          kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
                          softcap: float | None = None, window: int | None = None
                          ) -> torch.Tensor:
-        # A window reaches here only when it covers the whole served context (can_serve()
-        # sends narrower ones to PyTorch ops): the kernel's full attention equals it.
-        assert softcap is None, "can_serve() sends soft-capped models to PyTorch ops"
         # after a cached prefix the kernel reads it from the cache, however long (measured
         # on SmolLM2 with a 1,000-token prefix: 1.35 s per hit, against 1.7 s for PyTorch's
         # masked attention over the gathered blocks and 4.4 s for an unfused one)
         if meta.block_tables is None or (query.shape[0] // bs > self.kernel_prompt_max
                                          and not meta.has_context and not meta.packed):
-            return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale)
-        return self.decode_attention(query, kv_cache, meta, scale)
+            return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale,
+                                            softcap, window)
+        return self.decode_attention(query, kv_cache, meta, scale, softcap, window)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                          scale: float, softcap: float | None = None, window: int | None = None
                          ) -> torch.Tensor:
-        assert softcap is None and meta.block_tables is not None and meta.seq_lens is not None
+        assert meta.block_tables is not None and meta.seq_lens is not None
+        # 0: no window / no cap (the op's schema takes plain numbers)
         return self._attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
-                               meta.seq_lens, scale)
+                               meta.seq_lens, scale, window or 0, softcap or 0.0)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         # PyTorch's CPU argmax is a scalar loop: 64 x 49k logits took 2.0 ms against 0.23.

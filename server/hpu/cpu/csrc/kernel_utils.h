@@ -1,6 +1,7 @@
 // Shared pieces of the fused CPU kernels: element loads/stores that widen to and round
-// from fp32 the way PyTorch's casts do, a vectorisable exp, 16-lane vector types and the
-// argument checks. Header-only (inline), included by each kernel file.
+// from fp32 the way PyTorch's casts do (bf16, and fp8 e4m3 for KV caches), a vectorisable
+// exp and tanh, 16-lane vector types and the argument checks. Header-only (inline), included
+// by each kernel file.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 namespace hpu_serve {
 
 using c10::BFloat16;
+using c10::Float8_e4m3fn;
 
 // Loads and stores by element, widening to / rounding from fp32. bf16 goes through its raw
 // bits (the top half of an fp32) so that loops over it vectorise.
@@ -39,6 +41,10 @@ inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(BFloat16* p, int64_t i, float v) {
   reinterpret_cast<uint16_t*>(p)[i] = float_to_bf16_bits(v);
 }
+// fp8 e4m3 (KV caches only): c10's own conversions, so a cache written here holds the bytes
+// `tensor.to(torch.float8_e4m3fn)` would store (round to nearest even, saturating at 448).
+inline float load(const Float8_e4m3fn* p, int64_t i) { return static_cast<float>(p[i]); }
+inline void store(Float8_e4m3fn* p, int64_t i, float v) { p[i] = Float8_e4m3fn(v); }
 
 // A float rounded through T and back: where the PyTorch path stores an intermediate in the
 // model dtype, so does the kernel.
@@ -72,8 +78,14 @@ inline float fast_exp(float x) {
   return y * scale;
 }
 
+// tanh(x) = 1 - 2 / (exp(2x) + 1), vectorisable; saturates to +-1 at both ends (fast_exp
+// clamps). Absolute error ~1e-7: soft-capped scores (cap * tanh(s / cap)) land within
+// ~1e-7 * cap of PyTorch's.
+inline float fast_tanh(float x) { return 1.f - 2.f / (fast_exp(2.f * x) + 1.f); }
+
 // 16 fp32 lanes (one AVX-512 register, two AVX2 ones, four NEON ones).
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -91,6 +103,26 @@ inline f32x16 load16(const BFloat16* p) {
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
+// fp8 e4m3 by bit arithmetic (no table gather): a normal |x| = (e, m) is the fp32 with
+// exponent e + 120 and mantissa m << 20; a subnormal is m * 2^-9; 0x7F is NaN. Exact, as
+// every e4m3 value is an fp32 one.
+inline f32x16 load16(const Float8_e4m3fn* p) {
+  u8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  const u32x16 w = __builtin_convertvector(b, u32x16);
+  const u32x16 mag = w & 0x7Fu;
+  const u32x16 sign = (w & 0x80u) << 24;
+  const u32x16 normal = (mag << 20) + (120u << 23);
+  const f32x16 sub = __builtin_convertvector(mag, f32x16) * (1.f / 512.f);
+  u32x16 sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof(sub_bits));
+  u32x16 bits = mag < 8u ? sub_bits : normal;
+  bits = mag == 0x7Fu ? u32x16{} + 0x7FC00000u : bits;
+  bits |= sign;
+  f32x16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline void check_rows(const at::Tensor& t, const char* name) {
@@ -98,6 +130,14 @@ inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// A KV cache: the model's dtype, or fp8 e4m3 (--kv-cache-dtype fp8).
+inline void check_cache(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type() || t.scalar_type() == at::kFloat8_e4m3fn,
+              name, " must be ", like.scalar_type(), " or float8_e4m3fn, got ", t.scalar_type());
 }
 
 // keys [blocks, Hkv, D, B] (transposed blocks), values [blocks, Hkv, B, D].
