@@ -411,18 +411,28 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
+    """vLLM's ``POST /tokenize`` body: a ``prompt``, or chat ``messages`` rendered by the
+    chat template as chat completions render them."""
+
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
+    # unset: true for a prompt, false for messages (vLLM's defaults: a chat template writes
+    # its own BOS)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ChatTool] | None = Field(None, max_length=256)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: the vocabulary strings
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -434,6 +444,14 @@ class DetokenizeRequest(OpenAIModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's, with --enable-tokenizer-info-endpoint): the
+    tokenizer's own settings, its class and chat template; other keys vary by tokenizer."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class ErrorInfo(BaseModel):

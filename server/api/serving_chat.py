@@ -90,7 +90,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                             "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
-    template_kwargs = _template_kwargs(req.chat_template_kwargs)
+    template_kwargs = checked_template_kwargs(req.chat_template_kwargs)
     vocab = ctx.engine.tokenizer.vocab_size
     params = build_sampling_params(req, max_tokens, logprobs, vocab,
                                    prompt_logprobs_of(ctx.limits, req, vocab))
@@ -174,7 +174,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
-def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     for name in kwargs or {}:
         if name in _RESERVED_TEMPLATE_KWARGS:
             raise APIError(400, f"chat_template_kwargs may not set {name!r}; it has its own "
