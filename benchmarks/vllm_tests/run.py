@@ -36,13 +36,17 @@ TEST_FILES = (
     "tests/entrypoints/openai/chat_completion/test_chat.py",
     "tests/entrypoints/openai/chat_completion/test_root_path.py",
     "tests/entrypoints/openai/models/test_models.py",
+    "tests/entrypoints/openai/responses/test_basic.py",
+    "tests/entrypoints/openai/responses/test_simple.py",
     "tests/entrypoints/serve/tokenize/test_tokenization.py",
+    "tests/entrypoints/serve/instrumentator/test_metrics.py",
     "tests/entrypoints/serve/sleep/test_sleep.py",
 )
 # vLLM's conftests that are plain pytest (the others import vLLM and are replaced by the shim's)
 CONFTESTS = (
     "tests/entrypoints/conftest.py",
     "tests/entrypoints/openai/basic/conftest.py",
+    "tests/entrypoints/openai/responses/conftest.py",
 )
 
 
