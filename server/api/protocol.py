@@ -229,8 +229,9 @@ class CompletionRequest(SamplingFields):
     # strict: JSON true / false are not token ids 1 / 0
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]] | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
-    # 0 only with echo: the prompt back, nothing generated (vLLM's reading)
-    max_tokens: int | None = Field(None, ge=0)
+    # 0 only with echo: the prompt back, nothing generated (vLLM's reading). Unset: 16, the
+    # legacy completions default of OpenAI and vLLM; null: up to the context length
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     suffix: Text | None = None
 
