@@ -14,7 +14,7 @@ VLLM_UNIT = "a unit test of vLLM's internal Python objects, not of the HTTP serv
 
 # (file, part of the test id) -> reason
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
-    ("test_basic.py", "test_health_check_engine_dead_error"): VLLM_UNIT,
+    ("basic/test_basic.py", "test_health_check_engine_dead_error"): VLLM_UNIT,
     ("chat_completion/test_chat.py", "test_chat_completion_request_n_parameter"): VLLM_UNIT,
     ("chat_completion/test_chat.py", "zephyr-lora"): LORA_HUB,
     ("models/test_models.py", "test_check_models"): LORA_HUB,
@@ -37,16 +37,12 @@ class Kind(Enum):
 
 # part of the test id -> (kind, reason); filled from the last run (REPORT.md)
 FAILURES: dict[str, tuple[Kind, str]] = {
-    "test_basic.py::test_request_cancellation": (
+    "basic/test_basic.py::test_request_cancellation": (
         Kind.MODEL_SPECIFIC, "--max-model-len 10100 exceeds the embedded model's 8192-token "
         "context; hpu-serve refuses it at start-up as vLLM does beyond a model's length"),
-    "test_basic.py::test_server_load": (
+    "basic/test_basic.py::test_server_load": (
         Kind.MISSING_FEATURE, "--enable-server-load-tracking and GET /load "
         "(in progress: the CLI/deployment helper)"),
-    "test_tokenization.py::": (
-        Kind.MISSING_FEATURE, "--enable-tokenizer-info-endpoint and GET /tokenizer_info: the "
-        "flag is unknown, so the module's server does not start (its /tokenize and "
-        "/detokenize tests are blocked with it)"),
 }
 
 

@@ -71,6 +71,7 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
     shutil.copy(HERE / "known.py", staging / "known.py")
     (staging / "tests").mkdir()
     shutil.copy(shim / "tests_utils.py", staging / "tests" / "utils.py")
+    shutil.copy(shim / "tests_conftest.py", staging / "tests" / "conftest.py")
     for rel in [*files, *CONFTESTS]:
         src = vllm_src / rel
         if not src.exists():

@@ -84,6 +84,8 @@ class RemoteOpenAIServer:
         if override_hf_configs:
             raise NotImplementedError("override_hf_configs: the embedded model has no HF config")
         self.model, args = _split_model(model, _drop_unavailable_lora(list(vllm_serve_args)))
+        self.show_hidden_metrics = any(a.startswith("--show-hidden-metrics-for-version")
+                                       for a in args)
         if seed is not None and "--seed" not in args:
             args += ["--seed", str(seed)]
         flags = ["--served-model-name", self.model, *args]
