@@ -162,7 +162,21 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[],
                         help="run only the files whose path contains this (repeatable)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    parser.add_argument("--from-json", type=Path, nargs="+", default=[],
+                        help="run nothing: one report from earlier runs' JSON files (each "
+                             "file's latest run counts; failures are classified afresh)")
     args = parser.parse_args()
+    if args.from_json:
+        merged: dict[str, FileResult] = {}
+        for path in args.from_json:
+            for raw in json.loads(path.read_text()):
+                merged[raw["path"]] = FileResult(**raw)
+        order = {f: i for i, f in enumerate(TEST_FILES)}
+        text = report(sorted(merged.values(), key=lambda r: order.get(r.path, len(order))))
+        print(text)
+        if args.report:
+            args.report.write_text(text)
+        return
     files = [f for f in TEST_FILES if not args.only or any(p in f for p in args.only)]
     staging = stage(args.vllm_src.resolve(), files)
     log_dir = staging / "logs"
