@@ -186,6 +186,8 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1, max_length=1 << 20)
     # vLLM's: only the prompt's last k tokens are kept (-1: the context's worth)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    # vLLM's: which end the truncation cuts ("left", the default: the last tokens stay)
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: requests share cached KV blocks only with requests of the same salt
     cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
     # vLLM's: each prompt token's logprob and the top k (-1: the whole vocabulary), not

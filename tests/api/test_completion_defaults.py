@@ -5,10 +5,11 @@ still means "up to the context length"."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 
 def complete(server, **body) -> dict:
-    resp = httpx.post(server.base_url + "/v1/completions", timeout=120,
+    resp = httpx.post(server.base_url + "/v1/completions", timeout=600,
                       json={"prompt": "the quick brown", "temperature": 0, "ignore_eos": True,
                             **body})
     assert resp.status_code == 200, resp.text
@@ -21,9 +22,26 @@ def test_unset_max_tokens_is_16(server) -> None:
     assert answer["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow  # ~500 tokens: the tiny model's whole context
 def test_null_max_tokens_runs_to_the_context(server) -> None:
     answer = complete(server, max_tokens=None)
     usage = answer["usage"]
     assert usage["completion_tokens"] > 16
     card = httpx.get(server.base_url + "/v1/models").json()["data"][0]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == card["max_model_len"]
+
+
+def test_truncation_side_picks_the_end_truncate_prompt_tokens_keeps(server) -> None:
+    """vLLM's truncation_side (found by test_completion.py): "right" keeps the prompt's
+    first tokens, "left" (the default) its last."""
+    prompt = list(range(5, 13))
+    kept = {}
+    for side in ("right", "left", None):
+        answer = complete(server, prompt=prompt, max_tokens=1, return_token_ids=True,
+                          truncate_prompt_tokens=4,
+                          **({"truncation_side": side} if side else {}))
+        kept[side] = answer["choices"][0]["prompt_token_ids"]
+    assert kept == {"right": prompt[:4], "left": prompt[-4:], None: prompt[-4:]}
+    bad = httpx.post(server.base_url + "/v1/completions", json={
+        "prompt": prompt, "truncate_prompt_tokens": 4, "truncation_side": "middle"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation_side"
