@@ -45,3 +45,14 @@ def test_truncation_side_picks_the_end_truncate_prompt_tokens_keeps(server) -> N
     bad = httpx.post(server.base_url + "/v1/completions", json={
         "prompt": prompt, "truncate_prompt_tokens": 4, "truncation_side": "middle"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation_side"
+
+
+def test_echo_of_token_ids_keeps_special_tokens(server, tiny_model) -> None:
+    """vLLM echoes a token-id prompt decoded with its special tokens (found by
+    test_completion.py's test_echo_logprob_completion)."""
+    hf = tiny_model[2]
+    prompt = [hf.bos_token_id, *hf.encode("the quick", add_special_tokens=False)]
+    answer = complete(server, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+    text = answer["choices"][0]["text"]
+    assert text.startswith(hf.decode(prompt, skip_special_tokens=False)), text
+    assert text.startswith(hf.bos_token)
