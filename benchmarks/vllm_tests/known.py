@@ -33,6 +33,13 @@ class Kind(Enum):
     MODEL_SPECIFIC = "model-specific"
     MISSING_FEATURE = "missing feature"
     BEHAVIOUR = "behaviour difference"
+    # the per-test timeout of this run fired: nothing about the server is known from it
+    NOT_FINISHED = "not finished here"
+
+
+TIMEOUT_REASON = ("the run's per-test timeout fired: on the 2 shared CPU cores the embedded "
+                  "model generated ~1.5 tokens/s, and a request without max_tokens runs until "
+                  "the model's EOS")
 
 
 # part of the test id -> (kind, reason); filled from the last run (REPORT.md)
@@ -44,6 +51,21 @@ FAILURES: dict[str, tuple[Kind, str]] = {
     "basic/test_basic.py::test_server_load": (
         Kind.MISSING_FEATURE, "--enable-server-load-tracking and GET /load "
         "(in progress: the CLI/deployment helper)"),
+    "completion/test_completion.py::test_single_completion": (
+        Kind.MODEL_SPECIFIC, "expects 6 prompt tokens for \"Hello, my name is\": OPT's "
+        "tokenizer prepends </s>; SmolLM2's adds no BOS (5 tokens)"),
+    "completion/test_completion.py::test_completion_streaming": (
+        Kind.MODEL_SPECIFIC, "expects the 5-token answer to \"What is an LLM?\" to be cut "
+        "by max_tokens; SmolLM2-135M's greedy answer ends (EOS) within 5 tokens"),
+    "completion/test_completion.py::test_batch_completions": (
+        Kind.MISSING_FEATURE, "beam search (use_beam_search): refused with a 400 naming it; "
+        "not built"),
+    "completion/test_completion.py::test_completion_truncation_side": (
+        Kind.BEHAVIOUR, "truncation_side was ignored (fixed on this branch: "
+        "tests/api/test_completion_defaults.py)"),
+    "completion/test_completion.py::test_echo_logprob_completion": (
+        Kind.BEHAVIOUR, "the echo of a token-id prompt dropped its special tokens (fixed on "
+        "this branch: tests/api/test_completion_defaults.py)"),
     "responses/test_basic.py::test_simple_input": (
         Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's answer (\"312\" for 13 * 24) and a "
         "reasoning item (Qwen3 thinks in <think>; SmolLM2-135M does neither)"),
@@ -57,6 +79,15 @@ FAILURES: dict[str, tuple[Kind, str]] = {
         Kind.MISSING_FEATURE, "logprobs on /v1/responses (include "
         "message.output_text.logprobs, top_logprobs): refused with a 400 naming include; "
         "nobody builds it yet"),
+    "test_metrics.py::test_metrics_counts[-text]": (
+        Kind.MISSING_FEATURE, "vllm:iteration_tokens_total was missing (built on this branch: "
+        "tests/api/test_vllm_metrics.py; the module's later servers, started after the fix, "
+        "pass the same test)"),
+    "test_metrics.py::test_metrics_exist[-text]": (
+        Kind.MISSING_FEATURE, "vllm:num_requests_waiting_by_reason, "
+        "vllm:iteration_tokens_total and vllm:request_inference_time_seconds were missing "
+        "(built on this branch: tests/api/test_vllm_metrics.py; the module's later servers "
+        "pass)"),
     "-multimodal]": (
         Kind.MISSING_FEATURE, "image input: the test sends an image to a vision-language "
         "model (SmolVLM); hpu-serve serves text-only models (not planned in this round). The "
@@ -69,8 +100,10 @@ FAILURES: dict[str, tuple[Kind, str]] = {
 }
 
 
-def classify(nodeid: str) -> tuple[Kind, str] | None:
+def classify(nodeid: str, message: str = "") -> tuple[Kind, str] | None:
     for part, verdict in FAILURES.items():
         if part in nodeid:
             return verdict
+    if message.startswith("Failed: Timeout"):
+        return Kind.NOT_FINISHED, TIMEOUT_REASON
     return None

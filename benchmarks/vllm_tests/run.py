@@ -138,19 +138,34 @@ def report(results: list[FileResult]) -> str:
     failed = sum(len(r.failed) for r in results)
     applicable = passed + failed
     share = 100.0 * passed / applicable if applicable else 0.0
-    lines += ["", f"**{passed} of {applicable} applicable tests passed ({share:.0f}%)**; "
-              f"{sum(len(r.not_applicable) for r in results)} not applicable, "
-              f"{sum(len(r.skipped) for r in results)} skipped.", "", "## Failures", ""]
+    kinds: dict[str, int] = {}
     for r in results:
         for test_id, message in r.failed:
-            verdict = known.classify(f"{r.path}::{test_id}")
+            verdict = known.classify(f"{r.path}::{test_id}", message)
+            kind = verdict[0].value if verdict else "unclassified"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    unfinished = kinds.get(known.Kind.NOT_FINISHED.value, 0)
+    finished = applicable - unfinished
+    lines += ["", f"**{passed} of {applicable} applicable tests passed ({share:.0f}%)**; "
+              f"{sum(len(r.not_applicable) for r in results)} not applicable, "
+              f"{sum(len(r.skipped) for r in results)} skipped."]
+    if unfinished:
+        lines.append(f"Of the {finished} that finished, {passed} passed "
+                     f"({100.0 * passed / finished if finished else 0.0:.0f}%).")
+    lines += ["", "Failures by class: " + ", ".join(f"{k}: {n}" for k, n in sorted(
+        kinds.items())) + "." if kinds else "No failures.", "", "## Failures", ""]
+    for r in results:
+        for test_id, message in r.failed:
+            verdict = known.classify(f"{r.path}::{test_id}", message)
             kind = f"{verdict[0].value}: {verdict[1]}" if verdict else "unclassified"
-            lines.append(f"- `{r.path.rsplit('/', 1)[1]}::{test_id}` - {kind}  \n"
+            lines.append(f"- `{r.path.removeprefix('tests/entrypoints/')}::{test_id}` - "
+                         f"{kind}  \n"
                          f"  `{message}`")
     lines += ["", "## Not applicable", ""]
     for r in results:
         for test_id, reason in r.not_applicable:
-            lines.append(f"- `{r.path.rsplit('/', 1)[1]}::{test_id}` - {reason}")
+            lines.append(f"- `{r.path.removeprefix('tests/entrypoints/')}::{test_id}` - "
+                         f"{reason}")
     return "\n".join(lines) + "\n"
 
 
