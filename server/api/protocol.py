@@ -222,6 +222,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     # extra variables for the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; as in vLLM the chat template receives it (``reasoning_effort``): a template
+    # that reads it (gpt-oss) follows it, any other renders the same prompt
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM's: the answer starts with the last message's content when that message has the
     # answer's role (continue_final_message)
     echo: bool = False

@@ -91,6 +91,8 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
                             "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
     template_kwargs = checked_template_kwargs(req.chat_template_kwargs)
+    if req.reasoning_effort is not None:
+        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
     vocab = ctx.engine.tokenizer.vocab_size
     params = build_sampling_params(req, max_tokens, logprobs, vocab,
                                    prompt_logprobs_of(ctx.limits, req, vocab))

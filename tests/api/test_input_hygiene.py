@@ -120,7 +120,6 @@ def test_top_k_beyond_the_vocabulary_is_clamped(server) -> None:
     (CHAT, "prediction", {"type": "content", "content": "draft"}),
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "modalities", ["text", "audio"]),
-    (CHAT, "reasoning_effort", "high"),
     (CHAT, "logits_processors", ["x"]),
     (CHAT, "use_beam_search", True),
     (COMPLETIONS, "use_beam_search", True),
