@@ -35,6 +35,8 @@ class Kind(Enum):
     BEHAVIOUR = "behaviour difference"
     # the per-test timeout of this run fired: nothing about the server is known from it
     NOT_FINISHED = "not finished here"
+    # the test's own environment, not the server (vLLM would fail it the same way here)
+    HARNESS = "harness"
 
 
 TIMEOUT_REASON = ("the run's per-test timeout fired: on the 2 shared CPU cores the embedded "
@@ -66,6 +68,24 @@ FAILURES: dict[str, tuple[Kind, str]] = {
     "completion/test_completion.py::test_echo_logprob_completion": (
         Kind.BEHAVIOUR, "the echo of a token-id prompt dropped its special tokens (fixed on "
         "this branch: tests/api/test_completion_defaults.py)"),
+    "chat_completion/test_chat.py::test_single_chat_session": (
+        Kind.MODEL_SPECIFIC, "expects zephyr's 37 prompt tokens (its template and tokenizer)"),
+    "chat_completion/test_chat.py::test_chat_completion_stream_options": (
+        Kind.BEHAVIOUR, "a stream chunk's delta.content is null (the role chunk or the "
+        "finish chunk) where vLLM sends \"\"; the test concatenates every delta (not fixed "
+        "yet)"),
+    "chat_completion/test_chat.py::test_structured_outputs_choice_chat": (
+        Kind.MODEL_SPECIFIC, "expects the model to follow \"pick another one\"; SmolLM2 "
+        "picked TypeScript twice (the choice constraint held both times)"),
+    "chat_completion/test_chat.py::test_response_format_json_object": (
+        Kind.MODEL_SPECIFIC, "expects {\"result\": 2}; SmolLM2 wrote other valid JSON (the "
+        "json_object constraint held)"),
+    "chat_completion/test_chat.py::test_complex_message_content": (
+        Kind.MODEL_SPECIFIC, "expects zephyr's exact answer \"2\"; SmolLM2 said "
+        "\"1 + 1 = 2\""),
+    "chat_completion/test_chat.py::test_invocations": (
+        Kind.HARNESS, "openai 3.57's model_dump() adds metadata, moderation and service_tier, "
+        "which no server sends (vLLM neither); /invocations' keys match the wire answer"),
     "responses/test_basic.py::test_simple_input": (
         Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's answer (\"312\" for 13 * 24) and a "
         "reasoning item (Qwen3 thinks in <think>; SmolLM2-135M does neither)"),
