@@ -86,6 +86,10 @@ FAILURES: dict[str, tuple[Kind, str]] = {
     "chat_completion/test_chat.py::test_invocations": (
         Kind.HARNESS, "openai 3.57's model_dump() adds metadata, moderation and service_tier, "
         "which no server sends (vLLM neither); /invocations' keys match the wire answer"),
+    "sleep/test_sleep.py::test_sleep_mode": (
+        Kind.MISSING_FEATURE, "the vllm:engine_sleep_state gauge (sleep_state awake / "
+        "weights_offloaded / discard_all) is not exported; /sleep, /wake_up and /is_sleeping "
+        "themselves exist (docs/sleep.md). Nobody builds it yet"),
     "responses/test_basic.py::test_simple_input": (
         Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's answer (\"312\" for 13 * 24) and a "
         "reasoning item (Qwen3 thinks in <think>; SmolLM2-135M does neither)"),
