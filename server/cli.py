@@ -64,11 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def vllm_spelling(argv: list[str]) -> list[str]:
+    """``argv`` with each option's underscores read as dashes (``--max_model_len 5000``,
+    ``--max_num_seqs=8``), as vLLM's parser takes them; values are left as they are."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("serve", "buckets", "platforms", "bench", "-h", "--help"):
         argv = ["serve", *argv]  # `python -m server MODEL ...` means serve
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(vllm_spelling(argv))
     if args.command == "serve":
         return serve(args)
     if args.command == "buckets":

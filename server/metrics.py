@@ -61,6 +61,15 @@ class EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric([self._model], value)
             yield gauge
+        # vLLM splits the waiting into those short of KV blocks or batch room ("capacity")
+        # and those its scheduler holds back by policy ("deferred"); this scheduler holds none
+        # back: a request's grammar is compiled before it is queued
+        by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
+                                      "Requests waiting to be scheduled, by why they wait.",
+                                      labels=[*labels, "reason"])
+        by_reason.add_metric([self._model, "capacity"], s.num_waiting)
+        by_reason.add_metric([self._model, "deferred"], 0)
+        yield by_reason
         for name, doc, value in (
             ("vllm:num_preemptions", "Preemptions by recompute.", s.num_preemptions),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -125,6 +134,8 @@ class ServerMetrics:
         self.queue_time = self._hist("vllm:request_queue_time_seconds", "Time waiting.")
         self.prefill_time = self._hist("vllm:request_prefill_time_seconds", "Prefill phase.")
         self.decode_time = self._hist("vllm:request_decode_time_seconds", "Decode phase.")
+        self.inference_time = self._hist("vllm:request_inference_time_seconds",
+                                         "Prefill and decode: first scheduled to finished.")
         self.request_prompt_tokens = self._hist(
             "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
         self.request_generation_tokens = self._hist(
@@ -166,6 +177,7 @@ class ServerMetrics:
         self.e2e.observe(m.finished_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.inference_time.observe(m.finished_time - m.first_scheduled_time)
             if m.first_token_time is not None:
                 self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
                 self.decode_time.observe(m.finished_time - m.first_token_time)

@@ -14,7 +14,7 @@ VLLM_UNIT = "a unit test of vLLM's internal Python objects, not of the HTTP serv
 
 # (file, part of the test id) -> reason
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
-    ("test_basic.py", "test_health_check_engine_dead_error"): VLLM_UNIT,
+    ("basic/test_basic.py", "test_health_check_engine_dead_error"): VLLM_UNIT,
     ("chat_completion/test_chat.py", "test_chat_completion_request_n_parameter"): VLLM_UNIT,
     ("chat_completion/test_chat.py", "zephyr-lora"): LORA_HUB,
     ("models/test_models.py", "test_check_models"): LORA_HUB,
@@ -33,25 +33,101 @@ class Kind(Enum):
     MODEL_SPECIFIC = "model-specific"
     MISSING_FEATURE = "missing feature"
     BEHAVIOUR = "behaviour difference"
+    # the per-test timeout of this run fired: nothing about the server is known from it
+    NOT_FINISHED = "not finished here"
+    # the test's own environment, not the server (vLLM would fail it the same way here)
+    HARNESS = "harness"
+
+
+TIMEOUT_REASON = ("the run's per-test timeout fired: on the 2 shared CPU cores the embedded "
+                  "model generated ~1.5 tokens/s, and a request without max_tokens runs until "
+                  "the model's EOS")
 
 
 # part of the test id -> (kind, reason); filled from the last run (REPORT.md)
 FAILURES: dict[str, tuple[Kind, str]] = {
-    "test_basic.py::test_request_cancellation": (
-        Kind.MODEL_SPECIFIC, "--max-model-len 10100 exceeds the embedded model's 8192-token "
-        "context; hpu-serve refuses it at start-up as vLLM does beyond a model's length"),
-    "test_basic.py::test_server_load": (
+    "basic/test_basic.py::test_request_cancellation": (
+        Kind.MODEL_SPECIFIC, "its 200 requests each ask for 10000 new tokens (min_tokens "
+        "10000), more than the embedded model's 8192-token context (zephyr-7b has 32k): "
+        "hpu-serve answers 400 where the test waits for a client timeout"),
+    "basic/test_basic.py::test_server_load": (
         Kind.MISSING_FEATURE, "--enable-server-load-tracking and GET /load "
         "(in progress: the CLI/deployment helper)"),
-    "test_tokenization.py::": (
-        Kind.MISSING_FEATURE, "--enable-tokenizer-info-endpoint and GET /tokenizer_info: the "
-        "flag is unknown, so the module's server does not start (its /tokenize and "
-        "/detokenize tests are blocked with it)"),
+    "completion/test_completion.py::test_single_completion": (
+        Kind.MODEL_SPECIFIC, "expects 6 prompt tokens for \"Hello, my name is\": OPT's "
+        "tokenizer prepends </s>; SmolLM2's adds no BOS (5 tokens)"),
+    "completion/test_completion.py::test_completion_streaming": (
+        Kind.MODEL_SPECIFIC, "expects the 5-token answer to \"What is an LLM?\" to be cut "
+        "by max_tokens; SmolLM2-135M's greedy answer ends (EOS) within 5 tokens"),
+    "completion/test_completion.py::test_batch_completions": (
+        Kind.MISSING_FEATURE, "beam search (use_beam_search): refused with a 400 naming it; "
+        "not built"),
+    "completion/test_completion.py::test_completion_truncation_side": (
+        Kind.BEHAVIOUR, "truncation_side was ignored (fixed on this branch: "
+        "tests/api/test_completion_defaults.py)"),
+    "completion/test_completion.py::test_echo_logprob_completion": (
+        Kind.BEHAVIOUR, "the echo of a token-id prompt dropped its special tokens (fixed on "
+        "this branch: tests/api/test_completion_defaults.py)"),
+    "chat_completion/test_chat.py::test_single_chat_session": (
+        Kind.MODEL_SPECIFIC, "expects zephyr's 37 prompt tokens (its template and tokenizer)"),
+    "chat_completion/test_chat.py::test_chat_completion_stream_options": (
+        Kind.BEHAVIOUR, "a stream chunk's delta.content is null (the role chunk or the "
+        "finish chunk) where vLLM sends \"\"; the test concatenates every delta (not fixed "
+        "yet)"),
+    "chat_completion/test_chat.py::test_structured_outputs_choice_chat": (
+        Kind.MODEL_SPECIFIC, "expects the model to follow \"pick another one\"; SmolLM2 "
+        "picked TypeScript twice (the choice constraint held both times)"),
+    "chat_completion/test_chat.py::test_response_format_json_object": (
+        Kind.MODEL_SPECIFIC, "expects {\"result\": 2}; SmolLM2 wrote other valid JSON (the "
+        "json_object constraint held)"),
+    "chat_completion/test_chat.py::test_complex_message_content": (
+        Kind.MODEL_SPECIFIC, "expects zephyr's exact answer \"2\"; SmolLM2 said "
+        "\"1 + 1 = 2\""),
+    "chat_completion/test_chat.py::test_invocations": (
+        Kind.HARNESS, "openai 3.57's model_dump() adds metadata, moderation and service_tier, "
+        "which no server sends (vLLM neither); /invocations' keys match the wire answer"),
+    "sleep/test_sleep.py::test_sleep_mode": (
+        Kind.MISSING_FEATURE, "the vllm:engine_sleep_state gauge (sleep_state awake / "
+        "weights_offloaded / discard_all) is not exported; /sleep, /wake_up and /is_sleeping "
+        "themselves exist (docs/sleep.md). Nobody builds it yet"),
+    "responses/test_basic.py::test_simple_input": (
+        Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's answer (\"312\" for 13 * 24) and a "
+        "reasoning item (Qwen3 thinks in <think>; SmolLM2-135M does neither)"),
+    "responses/test_basic.py::test_instructions": (
+        Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's arithmetic (\"312\") and that it "
+        "follows the instruction to end with QED"),
+    "responses/test_basic.py::test_chat": (
+        Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's arithmetic (\"30\" for 15 x 2); "
+        "SmolLM2-135M answered \"45. QED.\""),
+    "responses/test_basic.py::test_logprobs": (
+        Kind.MISSING_FEATURE, "logprobs on /v1/responses (include "
+        "message.output_text.logprobs, top_logprobs): refused with a 400 naming include; "
+        "nobody builds it yet"),
+    "test_metrics.py::test_metrics_counts[-text]": (
+        Kind.MISSING_FEATURE, "vllm:iteration_tokens_total was missing (built on this branch: "
+        "tests/api/test_vllm_metrics.py; the module's later servers, started after the fix, "
+        "pass the same test)"),
+    "test_metrics.py::test_metrics_exist[-text]": (
+        Kind.MISSING_FEATURE, "vllm:num_requests_waiting_by_reason, "
+        "vllm:iteration_tokens_total and vllm:request_inference_time_seconds were missing "
+        "(built on this branch: tests/api/test_vllm_metrics.py; the module's later servers "
+        "pass)"),
+    "-multimodal]": (
+        Kind.MISSING_FEATURE, "image input: the test sends an image to a vision-language "
+        "model (SmolVLM); hpu-serve serves text-only models (not planned in this round). The "
+        "module's text requests to the same server pass"),
+    "test_metrics.py::test_metrics_exist_run_batch": (
+        Kind.MISSING_FEATURE, "vLLM's run-batch (python -m vllm.entrypoints.openai.run_batch: "
+        "an OpenAI batch file run offline, serving /metrics meanwhile), here with an "
+        "embeddings model; hpu-serve has no batch-file runner (embeddings: in progress, "
+        "branch pooling)"),
 }
 
 
-def classify(nodeid: str) -> tuple[Kind, str] | None:
+def classify(nodeid: str, message: str = "") -> tuple[Kind, str] | None:
     for part, verdict in FAILURES.items():
         if part in nodeid:
             return verdict
+    if message.startswith("Failed: Timeout"):
+        return Kind.NOT_FINISHED, TIMEOUT_REASON
     return None

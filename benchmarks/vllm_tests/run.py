@@ -36,13 +36,17 @@ TEST_FILES = (
     "tests/entrypoints/openai/chat_completion/test_chat.py",
     "tests/entrypoints/openai/chat_completion/test_root_path.py",
     "tests/entrypoints/openai/models/test_models.py",
+    "tests/entrypoints/openai/responses/test_basic.py",
+    "tests/entrypoints/openai/responses/test_simple.py",
     "tests/entrypoints/serve/tokenize/test_tokenization.py",
+    "tests/entrypoints/serve/instrumentator/test_metrics.py",
     "tests/entrypoints/serve/sleep/test_sleep.py",
 )
 # vLLM's conftests that are plain pytest (the others import vLLM and are replaced by the shim's)
 CONFTESTS = (
     "tests/entrypoints/conftest.py",
     "tests/entrypoints/openai/basic/conftest.py",
+    "tests/entrypoints/openai/responses/conftest.py",
 )
 
 
@@ -67,6 +71,7 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
     shutil.copy(HERE / "known.py", staging / "known.py")
     (staging / "tests").mkdir()
     shutil.copy(shim / "tests_utils.py", staging / "tests" / "utils.py")
+    shutil.copy(shim / "tests_conftest.py", staging / "tests" / "conftest.py")
     for rel in [*files, *CONFTESTS]:
         src = vllm_src / rel
         if not src.exists():
@@ -133,19 +138,34 @@ def report(results: list[FileResult]) -> str:
     failed = sum(len(r.failed) for r in results)
     applicable = passed + failed
     share = 100.0 * passed / applicable if applicable else 0.0
-    lines += ["", f"**{passed} of {applicable} applicable tests passed ({share:.0f}%)**; "
-              f"{sum(len(r.not_applicable) for r in results)} not applicable, "
-              f"{sum(len(r.skipped) for r in results)} skipped.", "", "## Failures", ""]
+    kinds: dict[str, int] = {}
     for r in results:
         for test_id, message in r.failed:
-            verdict = known.classify(f"{r.path}::{test_id}")
+            verdict = known.classify(f"{r.path}::{test_id}", message)
+            kind = verdict[0].value if verdict else "unclassified"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    unfinished = kinds.get(known.Kind.NOT_FINISHED.value, 0)
+    finished = applicable - unfinished
+    lines += ["", f"**{passed} of {applicable} applicable tests passed ({share:.0f}%)**; "
+              f"{sum(len(r.not_applicable) for r in results)} not applicable, "
+              f"{sum(len(r.skipped) for r in results)} skipped."]
+    if unfinished:
+        lines.append(f"Of the {finished} that finished, {passed} passed "
+                     f"({100.0 * passed / finished if finished else 0.0:.0f}%).")
+    lines += ["", "Failures by class: " + ", ".join(f"{k}: {n}" for k, n in sorted(
+        kinds.items())) + "." if kinds else "No failures.", "", "## Failures", ""]
+    for r in results:
+        for test_id, message in r.failed:
+            verdict = known.classify(f"{r.path}::{test_id}", message)
             kind = f"{verdict[0].value}: {verdict[1]}" if verdict else "unclassified"
-            lines.append(f"- `{r.path.rsplit('/', 1)[1]}::{test_id}` - {kind}  \n"
+            lines.append(f"- `{r.path.removeprefix('tests/entrypoints/')}::{test_id}` - "
+                         f"{kind}  \n"
                          f"  `{message}`")
     lines += ["", "## Not applicable", ""]
     for r in results:
         for test_id, reason in r.not_applicable:
-            lines.append(f"- `{r.path.rsplit('/', 1)[1]}::{test_id}` - {reason}")
+            lines.append(f"- `{r.path.removeprefix('tests/entrypoints/')}::{test_id}` - "
+                         f"{reason}")
     return "\n".join(lines) + "\n"
 
 
@@ -157,7 +177,21 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[],
                         help="run only the files whose path contains this (repeatable)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    parser.add_argument("--from-json", type=Path, nargs="+", default=[],
+                        help="run nothing: one report from earlier runs' JSON files (each "
+                             "file's latest run counts; failures are classified afresh)")
     args = parser.parse_args()
+    if args.from_json:
+        merged: dict[str, FileResult] = {}
+        for path in args.from_json:
+            for raw in json.loads(path.read_text()):
+                merged[raw["path"]] = FileResult(**raw)
+        order = {f: i for i, f in enumerate(TEST_FILES)}
+        text = report(sorted(merged.values(), key=lambda r: order.get(r.path, len(order))))
+        print(text)
+        if args.report:
+            args.report.write_text(text)
+        return
     files = [f for f in TEST_FILES if not args.only or any(p in f for p in args.only)]
     staging = stage(args.vllm_src.resolve(), files)
     log_dir = staging / "logs"

@@ -14,7 +14,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import server
 from server.api.admission import ClientSeqs
-from server.api.answer_json import dumps
 from server.api.anthropic import add_anthropic_routes
 from server.api.chat_output import chat_parsers
 from server.api.errors import APIError, install_error_handlers
@@ -26,31 +25,24 @@ from server.api.pooling.routes import add_pooling_routes
 from server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     InvocationRequest,
     ModelCard,
     ModelList,
     ResetPrefixCacheResponse,
-    TokenizeRequest,
-    TokenizeResponse,
 )
 from server.api.request_body import body_schema, parse_body
 from server.api.request_checks import check_messages
 from server.api.request_log import LoggedEngine, RequestLog
 from server.api.responses import add_responses_routes
-from server.api.routing import JSONBytes, respond, tag_of, until_disconnect
+from server.api.routing import respond, tag_of, until_disconnect
 from server.api.serving import (
     EngineClient,
     ServingContext,
-    check_model,
-    content_bytes,
-    refuse_oversized,
 )
 from server.api.serving_chat import create_chat_completion
 from server.api.serving_completion import create_completion
 from server.api.sleep_routes import add_sleep_routes
-from server.api.tools import template_messages
+from server.api.tokenize_routes import add_tokenize_routes
 from server.api.tracing import RequestTracer
 from server.api.workers import PreprocessPool
 from server.config import FairShare, ServerConfig
@@ -100,6 +92,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig,
     install_error_handlers(app)
     _add_routes(app, ctx)
     add_sleep_routes(app, engine)
+    add_tokenize_routes(app, ctx, cfg.enable_tokenizer_info_endpoint)
     add_responses_routes(app, ctx, cfg.responses)
     add_lora_routes(app, engine)
     install_openapi(app)
@@ -214,48 +207,3 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/tokenize", openapi_extra=body_schema(TokenizeRequest),
-              response_model=TokenizeResponse)
-    async def tokenize(request: Request) -> Response:
-        tag = tag_of(request)
-        body = await parse_body(request, TokenizeRequest, ctx.workers, tag.client,
-                                few_messages)
-        check_model(ctx, body.model)
-        tok = ctx.engine.tokenizer
-
-        def count() -> bytes:  # on a worker: a 15 MB prompt took 8 s on the loop
-            if body.messages is not None:
-                refuse_oversized(ctx, content_bytes(body.messages), "messages", leave=0)
-                messages = template_messages([m.model_dump(exclude_none=True)
-                                              for m in body.messages])
-                text = tok.apply_chat_template(messages, body.add_generation_prompt)
-                tokens = tok.encode(text, add_special_tokens=False)
-            elif body.prompt is not None:
-                refuse_oversized(ctx, len(body.prompt.encode("utf-8")), "prompt", leave=0)
-                tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            else:
-                raise APIError(400, "either prompt or messages is required", "prompt")
-            return dumps({"count": len(tokens), "max_model_len": ctx.max_model_len,
-                          "tokens": tokens}).encode("utf-8")
-
-        try:
-            return JSONBytes(await ctx.workers.run(tag.client, count))
-        except ValueError as exc:  # the template refused them, as in chat completions
-            raise APIError(400, str(exc), "messages") from None
-
-    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest),
-              response_model=DetokenizeResponse)
-    async def detokenize(request: Request) -> Response:
-        tag = tag_of(request)
-        body = await parse_body(request, DetokenizeRequest, ctx.workers, tag.client)
-        check_model(ctx, body.model)
-        tok = ctx.engine.tokenizer
-
-        def text() -> bytes:
-            vocab = tok.vocab_size
-            if any(not 0 <= t < vocab for t in body.tokens):
-                raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-            return dumps({"prompt": tok.decode(body.tokens)}).encode("utf-8")
-
-        return JSONBytes(await ctx.workers.run(tag.client, text))

@@ -89,8 +89,11 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value")
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    if kind == "json_invalid":
         return f"malformed JSON body: {message}", None
+    if kind:  # pydantic's own tag, as vLLM's messages carry it ("[type=greater_than_equal")
+        message = f"{message} [type={kind}]"
     return (f"{param}: {message}" if param else message), param
 
 

@@ -186,6 +186,8 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[StrictInt] | None = Field(None, min_length=1, max_length=1 << 20)
     # vLLM's: only the prompt's last k tokens are kept (-1: the context's worth)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    # vLLM's: which end the truncation cuts ("left", the default: the last tokens stay)
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: requests share cached KV blocks only with requests of the same salt
     cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
     # vLLM's: each prompt token's logprob and the top k (-1: the whole vocabulary), not
@@ -220,6 +222,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     # extra variables for the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; as in vLLM the chat template receives it (``reasoning_effort``): a template
+    # that reads it (gpt-oss) follows it, any other renders the same prompt
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM's: the answer starts with the last message's content when that message has the
     # answer's role (continue_final_message)
     echo: bool = False
@@ -229,8 +234,9 @@ class CompletionRequest(SamplingFields):
     # strict: JSON true / false are not token ids 1 / 0
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]] | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
-    # 0 only with echo: the prompt back, nothing generated (vLLM's reading)
-    max_tokens: int | None = Field(None, ge=0)
+    # 0 only with echo: the prompt back, nothing generated (vLLM's reading). Unset: 16, the
+    # legacy completions default of OpenAI and vLLM; null: up to the context length
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     suffix: Text | None = None
 
@@ -412,18 +418,28 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
+    """vLLM's ``POST /tokenize`` body: a ``prompt``, or chat ``messages`` rendered by the
+    chat template as chat completions render them."""
+
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
+    # unset: true for a prompt, false for messages (vLLM's defaults: a chat template writes
+    # its own BOS)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ChatTool] | None = Field(None, max_length=256)
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: the vocabulary strings
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -435,6 +451,14 @@ class DetokenizeRequest(OpenAIModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's, with --enable-tokenizer-info-endpoint): the
+    tokenizer's own settings, its class and chat template; other keys vary by tokenizer."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class ErrorInfo(BaseModel):

@@ -43,7 +43,6 @@ _UNSUPPORTED_CHAT: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     "audio": _unset,
     # predicted outputs: a latency feature this server does not implement
     "prediction": _unset,
-    "reasoning_effort": _unset,
     "web_search_options": _unset,
     "verbosity": _unset,
     # a template from the request runs on the server: refused, as vLLM does unless

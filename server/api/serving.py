@@ -255,6 +255,7 @@ def build_sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, priority=req.priority,
         cache_salt=req.cache_salt, truncate_prompt_tokens=req.truncate_prompt_tokens,
+        truncation_side=req.truncation_side or "left",
         allowed_token_ids=req.allowed_token_ids, prompt_logprobs=prompt_logprobs,
         bad_words=req.bad_words or [],
     )

@@ -84,11 +84,14 @@ def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
     refuse_oversized(ctx, content_bytes(req.messages) + documents, "messages",
                      truncating=req.truncate_prompt_tokens is not None)
     tok = ctx.engine.tokenizer
+    template_kwargs = checked_template_kwargs(req.chat_template_kwargs)
+    if req.reasoning_effort is not None:  # templates of reasoning models read it (gpt-oss)
+        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
     try:
         messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
         text = tok.apply_chat_template(messages, req.add_generation_prompt, tools,
-                                       _template_kwargs(req.chat_template_kwargs),
-                                       req.continue_final_message, req.documents)
+                                       template_kwargs, req.continue_final_message,
+                                       req.documents)
         return text, tok.encode(text, add_special_tokens=False)
     except ValueError as exc:  # no template, unsupported content parts, template errors
         raise APIError(400, str(exc), "messages") from None
@@ -115,7 +118,7 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                             "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
-    _template_kwargs(req.chat_template_kwargs)  # refused here, before the request queues
+    checked_template_kwargs(req.chat_template_kwargs)  # refused here, before it queues
     vocab = ctx.engine.tokenizer.vocab_size
     params = build_sampling_params(req, requested_max, logprobs, vocab,
                                    prompt_logprobs_of(ctx.limits, req, vocab),
@@ -189,7 +192,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
-def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     for name in kwargs or {}:
         if name in _RESERVED_TEMPLATE_KWARGS:
             raise APIError(400, f"chat_template_kwargs may not set {name!r}; it has its own "

@@ -234,6 +234,7 @@ def _logprobs(formatter: LogprobFormatter, req: CompletionRequest, out: RequestO
 
 
 def _echo_text(ctx: ServingContext, prompt: str | list[int], out: RequestOutput) -> str:
-    """The prompt as sent when it was text (the engine got token ids), else its decoding."""
+    """The prompt as sent when it was text (the engine got token ids), else its decoding
+    with its special tokens written out, as vLLM echoes a token-id prompt (``<s>`` stays)."""
     return prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(
-        out.prompt_token_ids)
+        out.prompt_token_ids, skip_special_tokens=False)

@@ -41,6 +41,9 @@ class VllmNoOpFlags:
         False, group=GROUP, help="the API server and the engine share one process already")
     max_parallel_loading_workers: int | None = flag(
         None, group=GROUP, help="each rank loads its own weights")
+    show_hidden_metrics_for_version: str | None = flag(
+        None, group=GROUP,
+        help="vLLM re-shows metrics it deprecated in that version; no metric here is hidden")
 
 
 def ignored_flags(flags: VllmNoOpFlags) -> list[str]:

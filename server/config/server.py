@@ -88,6 +88,9 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = flag(
         False, help="usage reports prompt_tokens_details.cached_tokens: the prompt tokens "
                     "served from the prefix cache")
+    enable_tokenizer_info_endpoint: bool = flag(
+        False, help="serve GET /tokenizer_info: the tokenizer's settings, class and chat "
+                    "template (off: 404, as in vLLM, since it discloses the chat template)")
     root_path: str = flag(
         "", help="the path prefix a proxy serves this server under (/llm): routes answer with "
                  "and without it, and the API key guards both")

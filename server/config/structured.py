@@ -29,7 +29,8 @@ class StructuredOutputsConfig:
 
     backend: StructuredOutputsBackend = flag(
         StructuredOutputsBackend.AUTO, name="structured-outputs-backend",
-        aliases=("--guided-decoding-backend",),
+        # vLLM's older name, and its dotted --structured-outputs-config.backend
+        aliases=("--guided-decoding-backend", "--structured-outputs-config.backend"),
         help="grammar engine of response_format / guided_* / structured_outputs (auto: "
              "xgrammar)")
     compile_timeout: float = flag(10.0, name="grammar-compile-timeout", group=GRAMMAR,

@@ -59,13 +59,14 @@ class InputProcessor:
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         keep = params.truncate_prompt_tokens
-        if keep is not None:  # the prompt's end matters: its last tokens are kept
+        if keep is not None:  # by default the prompt's end matters: its last tokens are kept
             if keep == -1:  # as much as the context holds beside what is to be generated
                 keep = max(1, self.limits.max_model_len - (params.max_tokens or 1))
             if keep == 0:
                 raise RequestError("truncate_prompt_tokens 0 leaves no prompt",
                                    "truncate_prompt_tokens")
-            prompt_ids = prompt_ids[-keep:]
+            prompt_ids = prompt_ids[:keep] if params.truncation_side == "right" \
+                else prompt_ids[-keep:]
             prompt_text = None  # the text sent is no longer the prompt's
         params = self._check(prompt_ids, params)
         if params.bad_words:

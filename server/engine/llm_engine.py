@@ -17,6 +17,7 @@ from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.errors import EngineFaultError, EngineSleepingError, RequestError
 from server.engine.executor import FaultListener, RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
+from server.engine.iteration_stats import IterationTokens
 from server.engine.lora.registry import LoRARegistry
 from server.engine.lora.request import LoRARequest
 from server.engine.output_processor import OutputProcessor, ProcessedStep
@@ -138,6 +139,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.limits.max_model_len)
         self._failed_steps = 0
+        self._iteration_tokens = IterationTokens(self.model_name, self.counters.registry,
+                                                 self.limits.max_num_batched_tokens)
         self.sleep_mode = config.device.enable_sleep_mode
         # what /sleep freed and no /wake_up has restored yet (empty: awake)
         self._asleep: set[WakeTag] = set()
@@ -234,13 +237,16 @@ class LLMEngine:
         """One scheduling round: its batches (a decode and a prefill with chunked prefill,
         one of them otherwise) run back to back."""
         outputs: list[RequestOutput] = []
+        tokens: list[int] = []
         for batch in self.scheduler.schedule():
             # an earlier batch of this step may have ended a request (a failure)
             live = [seq for seq in batch.seqs if not seq.is_finished]
             if not live:
                 continue
-            outputs += self._step_batch(batch if len(live) == len(batch.seqs)
-                                        else batch.subset(live))
+            batch = batch if len(live) == len(batch.seqs) else batch.subset(live)
+            tokens.append(IterationTokens.tokens(batch))
+            outputs += self._step_batch(batch)
+        self._iteration_tokens.observe(tokens)
         self.runner.between_steps()  # adaptive bucketing warms here, outside any step
         return outputs
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -68,6 +68,9 @@ class SamplingParams(BaseModel):
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds beside
     # max_tokens, or beside one token when it is unset)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # which end of the prompt truncate_prompt_tokens keeps: "left" cuts the start (the last
+    # tokens stay, the default), "right" cuts the end (vLLM's truncation_side)
+    truncation_side: Literal["left", "right"] = "left"
     max_tokens: int | None = Field(16, ge=1, description="None: up to the context length")
     # int32 bounds (here and on top_k): beyond them a value is a typo, and a top_k of 2**63
     # would overflow the sampler's int64 tensor

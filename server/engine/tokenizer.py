@@ -23,6 +23,23 @@ _KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctu
                                      "UnicodeScripts"})
 
 
+# init_kwargs that say where and how the files were loaded, not how text is tokenized
+_LOADING_KWARGS = frozenset({"vocab_file", "merges_file", "tokenizer_file", "name_or_path",
+                             "is_local", "local_files_only", "cache_dir", "gguf_file"})
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` with added tokens as their text and anything else JSON lacks as a string."""
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    content = getattr(value, "content", None)  # tokenizers' AddedToken
+    return content if isinstance(content, str) else str(value)
+
+
 class Tokenizer:
     """Wraps a transformers tokenizer: encode, decode, chat template, EOS ids.
 
@@ -113,6 +130,19 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Raw vocabulary strings (e.g. ``Ġworld``, ``▁world``) of ``ids``."""
         return list(self.hf.convert_ids_to_tokens(list(ids)))
+
+    def settings(self) -> dict[str, Any]:
+        """The tokenizer's own settings (transformers' ``init_kwargs``: special tokens,
+        ``add_bos_token``, ``model_max_length``...) as JSON values, its class name and its
+        chat template: what ``GET /tokenizer_info`` reports, in vLLM's shape. Where the files
+        were read from is left out (a path on this machine says nothing about tokenizing)."""
+        init_kwargs = getattr(self.hf, "init_kwargs", None) or {}
+        config = {k: _json_value(v) for k, v in init_kwargs.items() if k not in _LOADING_KWARGS}
+        config["tokenizer_class"] = type(self.hf).__name__
+        template = getattr(self.hf, "chat_template", None)
+        if isinstance(template, str) and template:  # --chat-template's, when given
+            config["chat_template"] = template
+        return config
 
     @property
     def has_chat_template(self) -> bool:

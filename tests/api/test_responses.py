@@ -233,7 +233,7 @@ def test_store_ttl_counts_from_the_finish() -> None:
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning"),
     ({"background": True, "store": False}, "background"),
     ({"background": True, "stream": True}, "stream"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),

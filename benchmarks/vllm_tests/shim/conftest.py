@@ -30,6 +30,25 @@ def _hub_lora_adapters() -> None:
     huggingface_hub.snapshot_download = snapshot_download
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _hub_tokenizers() -> None:
+    """A test's ``AutoTokenizer.from_pretrained("org/name")`` gets the embedded model's
+    tokenizer: the model served under that name (no hub download)."""
+    import os
+
+    from transformers import AutoTokenizer
+    from vllm.tokenizers import get_tokenizer
+
+    original = AutoTokenizer.from_pretrained
+
+    def from_pretrained(name: object, *args: object, **kwargs: object) -> object:
+        if isinstance(name, str) and not os.path.exists(name):
+            return get_tokenizer(name)
+        return original(name, *args, **kwargs)
+
+    AutoTokenizer.from_pretrained = from_pretrained
+
+
 @pytest.fixture(scope="session")
 def qwen3_lora_files() -> str:
     return _unavailable_lora("charent/self_cognition_Alice")

@@ -74,6 +74,25 @@ def _drop_unavailable_lora(args: list[str]) -> list[str]:
     return lean
 
 
+# The embedded model's context. A test that sizes --max-model-len for its own longer-context
+# model (Qwen3's 40k, zephyr's 32k) gets the embedded model's whole context instead, so that
+# its server starts; a request that really needs more then fails, and known.py says why.
+EMBEDDED_CONTEXT = 8192
+
+
+def _cap_context(args: list[str]) -> list[str]:
+    out = list(args)
+    for i, arg in enumerate(out):
+        name, sep, value = arg.partition("=")
+        if name.replace("_", "-") != "--max-model-len":
+            continue
+        if sep and int(value) > EMBEDDED_CONTEXT:
+            out[i] = f"{name}={EMBEDDED_CONTEXT}"
+        elif not sep and i + 1 < len(out) and int(out[i + 1]) > EMBEDDED_CONTEXT:
+            out[i + 1] = str(EMBEDDED_CONTEXT)
+    return out
+
+
 class RemoteOpenAIServer:
     DUMMY_API_KEY = "token-abc123"  # vLLM's tests send this when the server has no key
 
@@ -84,6 +103,9 @@ class RemoteOpenAIServer:
         if override_hf_configs:
             raise NotImplementedError("override_hf_configs: the embedded model has no HF config")
         self.model, args = _split_model(model, _drop_unavailable_lora(list(vllm_serve_args)))
+        args = _cap_context(args)
+        self.show_hidden_metrics = any(a.startswith("--show-hidden-metrics-for-version")
+                                       for a in args)
         if seed is not None and "--seed" not in args:
             args += ["--seed", str(seed)]
         flags = ["--served-model-name", self.model, *args]

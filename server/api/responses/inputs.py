@@ -49,10 +49,9 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         _refuse("max_tool_calls", "max_tool_calls is not supported")
     if req.top_logprobs:
         _refuse("top_logprobs", "logprobs are not supported on /v1/responses")
-    if req.reasoning is not None and (req.reasoning.effort or req.reasoning.summary
-                                      or req.reasoning.generate_summary):
-        _refuse("reasoning", "reasoning effort and summaries cannot be set on this server "
-                             "(reasoning is the model's own, split by --reasoning-parser)")
+    if req.reasoning is not None and (req.reasoning.summary or req.reasoning.generate_summary):
+        _refuse("reasoning", "reasoning summaries cannot be made by this server (reasoning "
+                             "is the model's own, split by --reasoning-parser)")
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         _refuse("text.verbosity", "text.verbosity is not supported")
     if req.background and not req.store:
@@ -144,6 +143,8 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
         "repetition_penalty": req.repetition_penalty, "seed": req.seed, "stop": req.stop,
         "ignore_eos": req.ignore_eos, "priority": req.priority, "cache_salt": req.cache_salt,
     }
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort  # the chat template receives it
     if req.tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True,
                                                                          exclude={"type"})}

@@ -1,0 +1,1 @@
+"""vLLM's utility modules the tests import."""
