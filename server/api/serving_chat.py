@@ -331,5 +331,8 @@ def _delta(parts: DeltaParts) -> DeltaMessage:
     calls = [DeltaToolCall(index=t.index, id=t.id, type="function" if t.id else None,
                            function=DeltaFunctionCall(name=t.name, arguments=t.arguments))
              for t in parts.tool_calls]
-    return DeltaMessage(content=parts.content or None, reasoning=parts.reasoning or None,
+    # a text delta (even an empty one, as the finish chunk's) is a string, as vLLM sends it:
+    # clients concatenate every chunk's content; tool-call and reasoning deltas carry none
+    content = parts.content or (None if parts.tool_calls or parts.reasoning else "")
+    return DeltaMessage(content=content, reasoning=parts.reasoning or None,
                         reasoning_content=parts.reasoning or None, tool_calls=calls or None)

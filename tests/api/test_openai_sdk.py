@@ -46,8 +46,15 @@ def test_chat_streaming_equals_non_streaming(client, model_name: str) -> None:
     chunks = list(client.chat.completions.create(
         stream=True, stream_options={"include_usage": True}, **kwargs))
     assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # every delta's content is a string, the finish chunk's too (vLLM's clients concatenate
+    # them as they come: None + str would raise)
+    text = "".join(c.choices[0].delta.content for c in chunks if c.choices)
     assert text == full
+    # a stop string holds the tail back: the finish chunk then carries no text, still ""
+    stop = full[len(full) // 2:][:3]
+    stopped = list(client.chat.completions.create(stream=True, stop=[stop], **kwargs))
+    assert "".join(c.choices[0].delta.content for c in stopped if c.choices) == \
+        full[:full.index(stop)]
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
     assert chunks[-1].choices == []
