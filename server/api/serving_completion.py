@@ -85,8 +85,12 @@ async def create_completion(
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt "
                             "back, nothing generated)", "max_tokens")
     prompts = _prompts(req.prompt)
+    # 16 is the field's default (vLLM's, OpenAI's) when neither the request nor the model's
+    # generation config (max_new_tokens) says otherwise; the request's own value wins
+    sent = "max_tokens" in req.model_fields_set or ctx.sampling_defaults.max_tokens is None
+    requested_max = req.max_tokens if sent else None
     check_limits(ctx.limits, req, max_model_len=ctx.max_model_len, prompts=len(prompts),
-                 max_tokens=ctx.sampling_defaults.max_tokens_for(req.max_tokens),
+                 max_tokens=ctx.sampling_defaults.max_tokens_for(requested_max),
                  max_tokens_field="max_tokens",
                  logprobs=req.logprobs, logprobs_field="logprobs")
     vocab = ctx.engine.tokenizer.vocab_size
@@ -94,7 +98,7 @@ async def create_completion(
     prompt_logprobs = prompt_logprobs_of(ctx.limits, req, vocab,
                                          implied=req.logprobs if req.echo else None)
     # echo with max_tokens 0 generates one token that is never shown, as vLLM does
-    params = build_sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
+    params = build_sampling_params(req, 1 if echo_only else requested_max, req.logprobs,
                                    vocab, prompt_logprobs, defaults=ctx.sampling_defaults)
     streams = []
     try:
