@@ -73,9 +73,8 @@ def main() -> int:
         for name, inputs, parts in SITES:
             outputs = sum(parts)
             weight = torch.randn(outputs, inputs, dtype=dtype)
-            a = torch.randn(args.slots + 1, len(parts) * args.rank, inputs, dtype=dtype)
-            bt = torch.randn(args.slots + 1, args.rank, outputs, dtype=dtype)
-            a[0], bt[0] = 0, 0
+            a = torch.randn(len(parts), args.slots, args.rank, inputs, dtype=dtype)
+            bt = torch.randn(args.slots, args.rank, outputs, dtype=dtype)
             x = torch.randn(rows, inputs, dtype=dtype)
             slots = torch.arange(rows) % (active + 1)  # the active slots and some base rows
             mask = slot_mask(slots, args.slots, dtype)

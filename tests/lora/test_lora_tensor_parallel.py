@@ -43,9 +43,9 @@ def test_rank_parts_sum_to_the_whole_delta(tiny_model_factory, adapter_factory,
     for (layer, site), (a, bt) in adapter.weights.items():
         def delta(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                   held: ModelConfig) -> torch.Tensor:
-            zero_a, zero_bt = torch.zeros_like(a), torch.zeros_like(bt)
-            return lora_dense(x, torch.stack([zero_a, a]), torch.stack([zero_bt, bt]), mask,
-                              site_shapes(held)[site].parts)
+            parts = site_shapes(held)[site].parts  # one slot: A [P, 1, r, in]
+            return lora_dense(x, a.view(len(parts), 1, -1, a.shape[1]), bt.unsqueeze(0),
+                              mask, parts)
 
         x = torch.randn(5, a.shape[1])
         whole = delta(x, a, bt, cfg)

@@ -1,14 +1,14 @@
 """The batched LoRA op: each token row adds its own adapter's ``x A^T B^T``, for any mix of
 adapters in one static-shape batch. ``benchmarks/lora_ops.py`` measures the ways to compute
-it; the model runs :func:`lora_dense` (static shapes: every execution mode) and, in eager
-mode only, :func:`lora_grouped` when few adapters are in a step (see docs/lora.md).
+it; the model runs :func:`lora_dense` (static shapes: every execution mode).
 
-Shapes: ``x [T, in]``; the slot stacks ``a [S + 1, P * r, in]`` (part ``p``'s rows
-``p * r .. p * r + r``) and ``bt [S + 1, r, out]`` (part ``p`` writes its own output columns
-``parts[:p] .. parts[:p + 1]`` from its own ``r`` shrink rows), slot 0 all zeros (no
-adapter); ``slots [T]`` each row's slot (0: none); ``parts`` the output widths of the
-site's parts (q/k/v: 3, gate/up: 2, o and down: 1). Keeping ``B^T`` per part rather than as
-one block-diagonal ``[P * r, out]`` makes the expand ``P`` times cheaper.
+Shapes: ``x [T, in]``; the slot stacks ``a [P, S, r, in]`` (part ``p``'s shrink rows for
+each of the ``S`` slots) and ``bt [S, r, out]`` (part ``p`` writes only its own output
+columns, ``sum(parts[:p]) ..``, from its own ``r`` shrink rows); ``slots [T]`` each row's
+slot, 1..S (0: no adapter); ``parts`` the output widths of the site's parts (q/k/v: 3,
+gate/up: 2, o and down: 1). Keeping ``B^T`` per part rather than as one block-diagonal
+``[P * r, out]`` makes the expand ``P`` times cheaper, and parts outermost in ``a`` makes
+each part's shrink output a plain strided view (no copies between the GEMMs).
 """
 
 from __future__ import annotations
@@ -23,42 +23,44 @@ def slot_mask(slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.
     return F.one_hot(slots.reshape(-1), num_slots + 1)[:, 1:].to(dtype)
 
 
-def _expand(h: torch.Tensor, bt: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
-    """``h [T, n, P, r]`` (n slots, or one) against ``bt [n, r, out]``: each part's shrink
-    rows times its own columns of ``B^T`` (strided views of the weights: nothing copied
-    but the small ``h``)."""
-    rows, n, _, rank = h.shape
-    if len(parts) == 1:
-        return h.reshape(rows, n * rank) @ bt.reshape(n * rank, bt.shape[2])
+def _expand(h: torch.Tensor, bt: torch.Tensor, parts: tuple[int, ...],
+            base: torch.Tensor | None) -> torch.Tensor:
+    """``h [T, P, n * r]`` against ``bt [n, r, out]``: each part's shrink rows times its
+    own columns of ``B^T`` (strided views of the weights: nothing copied), added to
+    ``base`` in the same GEMM where given."""
+    n, rank, outputs = bt.shape
     outs, start = [], 0
     for p, width in enumerate(parts):
         weight = bt[:, :, start:start + width].reshape(n * rank, width)
-        outs.append(h[:, :, p].reshape(rows, n * rank) @ weight)
+        outs.append(h[:, p] @ weight if base is None
+                    else torch.addmm(base[:, start:start + width], h[:, p], weight))
         start += width
-    return torch.cat(outs, dim=1)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def lora_dense(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, mask: torch.Tensor,
-               parts: tuple[int, ...]) -> torch.Tensor:
-    """Every slot's shrink for every row as one GEMM, the row's own slot kept by the mask,
-    then one expand GEMM per part: fixed-shape matmuls whatever the mix (slot 0
-    skipped)."""
-    num_slots, rank = a.shape[0] - 1, bt.shape[1]
-    h = F.linear(x, a[1:].reshape(-1, a.shape[2]))
-    h = h.view(-1, num_slots, len(parts), rank) * mask.view(-1, num_slots, 1, 1)
-    return _expand(h, bt[1:], parts)
+               parts: tuple[int, ...], base: torch.Tensor | None = None) -> torch.Tensor:
+    """``base`` (``[T, out]``, or zeros) plus each row's delta: every slot's shrink for
+    every row as one GEMM, the row's own slot kept by the mask, one expand GEMM per part:
+    fixed-shape matmuls whatever the mix."""
+    num_parts, num_slots, rank = a.shape[:3]
+    h = F.linear(x, a.reshape(-1, a.shape[3]))
+    h = (h.view(-1, num_parts, num_slots, rank) * mask.view(-1, 1, num_slots, 1))
+    return _expand(h.view(-1, num_parts, num_slots * rank), bt, parts, base)
 
 
 def lora_gather(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor,
                 parts: tuple[int, ...]) -> torch.Tensor:
     """Each row's own A and B gathered, batched matmuls (``T`` copies of the weights:
     cheap for decode, heavy for prefill; static shapes)."""
-    h = torch.bmm(a.index_select(0, slots), x.unsqueeze(-1))  # [T, P * r, 1]
-    h = h.view(x.shape[0], len(parts), -1)
-    own = bt.index_select(0, slots)  # [T, r, out]
+    index = (slots - 1).clamp(min=0)
+    own_a = a.index_select(1, index).transpose(0, 1).flatten(1, 2)  # [T, P * r, in]
+    h = torch.bmm(own_a, x.unsqueeze(-1)).view(x.shape[0], len(parts), -1)
+    h = h * (slots > 0).to(h.dtype).view(-1, 1, 1)
+    own_bt = bt.index_select(0, index)  # [T, r, out]
     outs, start = [], 0
     for p, width in enumerate(parts):
-        outs.append(torch.bmm(h[:, p:p + 1], own[:, :, start:start + width]).squeeze(1))
+        outs.append(torch.bmm(h[:, p:p + 1], own_bt[:, :, start:start + width]).squeeze(1))
         start += width
     return torch.cat(outs, dim=1)
 
@@ -70,10 +72,10 @@ def lora_grouped(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
     ``groups`` (slot, its rows) from :func:`slot_groups`. Data-dependent shapes: eager
     only."""
     out = x.new_zeros(x.shape[0], bt.shape[2])
-    rank = bt.shape[1]
     for slot, rows in groups:
-        h = F.linear(x.index_select(0, rows), a[slot]).view(-1, 1, len(parts), rank)
-        out.index_add_(0, rows, _expand(h, bt[slot:slot + 1], parts))
+        own_a = a[:, slot - 1].reshape(-1, a.shape[3])  # [P * r, in]
+        h = F.linear(x.index_select(0, rows), own_a).view(-1, len(parts), a.shape[2])
+        out.index_add_(0, rows, _expand(h, bt[slot - 1:slot], parts, None))
     return out
 
 

@@ -2,8 +2,9 @@
 padded to ``max_lora_rank``, so that a batch with any mix of adapters runs the same shapes
 (and graphs) as one without any.
 
-Per layer and site, ``A [S + 1, P * R, in]`` and ``B^T [S + 1, R, out]`` (each part's
-output columns from its own ``R`` shrink rows: ops.py; slot 0 stays zero: no adapter). Loading an adapter copies its weights into a slot in place: no tensor is
+Per layer and site, ``A [P, S, R, in]`` and ``B^T [S, R, out]`` (each part's output columns
+from its own ``R`` shrink rows: ops.py); slot ``s`` (1..S) is index ``s - 1``, a row of slot
+0 (no adapter) is masked out. Loading an adapter copies its weights into a slot in place: no tensor is
 reallocated, so compiled or captured graphs keep reading the same storage.
 """
 
@@ -29,10 +30,10 @@ class LayerLoRA(nn.Module):
         super().__init__()
         for site, shape in sites.items():
             self.register_buffer(f"{site.value}_a", torch.zeros(
-                num_slots + 1, len(shape.parts) * rank, shape.inputs, dtype=dtype,
+                len(shape.parts), num_slots, rank, shape.inputs, dtype=dtype,
                 device=device), persistent=False)
             self.register_buffer(f"{site.value}_bt", torch.zeros(
-                num_slots + 1, rank, shape.outputs, dtype=dtype, device=device),
+                num_slots, rank, shape.outputs, dtype=dtype, device=device),
                 persistent=False)
         self.parts = {site: shape.parts for site, shape in sites.items()}
         self.sites = frozenset(sites)
@@ -46,8 +47,11 @@ class LayerLoRA(nn.Module):
         if mask is None or site not in self.sites:
             return y
         a, bt = self.stacks(site)
-        delta = lora_dense(x.reshape(-1, x.shape[-1]).to(a.dtype), a, bt, mask,
-                           self.parts[site])
+        x = x.reshape(-1, x.shape[-1]).to(a.dtype)
+        if y.dtype == a.dtype:  # the add rides in the expand GEMMs
+            return lora_dense(x, a, bt, mask, self.parts[site],
+                              y.reshape(-1, y.shape[-1])).view(y.shape)
+        delta = lora_dense(x, a, bt, mask, self.parts[site])
         return y + delta.to(y.dtype).view(y.shape)
 
 
@@ -98,17 +102,15 @@ class LoRASlots:
         rank = adapter.rank
         for (layer, site), (a, bt) in adapter.weights.items():
             a_slot, bt_slot = self.layers[layer].stacks(site)
-            for p in range(a.shape[0] // rank):  # each part's A rows padded to max_rank
-                a_slot[slot, p * self.max_rank:p * self.max_rank + rank].copy_(
-                    a[p * rank:(p + 1) * rank])
-            bt_slot[slot, :rank].copy_(bt)
+            a_slot[:, slot - 1, :rank].copy_(a.view(a_slot.shape[0], rank, a.shape[1]))
+            bt_slot[slot - 1, :rank].copy_(bt)
 
     def clear(self, slot: int) -> None:
         for layer in self.layers:
             for site in layer.sites:
                 a, bt = layer.stacks(site)
-                a[slot].zero_()
-                bt[slot].zero_()
+                a[:, slot - 1].zero_()
+                bt[slot - 1].zero_()
 
     @property
     def nbytes(self) -> int:
