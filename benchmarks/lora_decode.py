@@ -2,7 +2,8 @@
 side by side in one run (CPU, the embedded SmolLM2-135M unless --model).
 
     python benchmarks/lora_decode.py [--model PATH] [--tokens 64] [--rank 16] [--rounds 4]
-        [--dtype auto|float32|bfloat16] [--threads N]
+        [--dtype auto|float32|bfloat16] [--lora-dtype auto|float32|bfloat16]
+        [--execution-mode auto|eager|compile] [--threads N]
 
 Writes 4 random PEFT adapters (every projection, rank ``--rank``) for the model, then times
 16 greedy requests: 1 token (the prefill) and 1 + ``--tokens`` tokens; the difference over
@@ -74,19 +75,22 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--lora-dtype", default="auto")
+    parser.add_argument("--execution-mode", default="auto")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (1 is steadier on a loaded host)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    common = dict(max_num_seqs=BATCH, max_model_len=512, dtype=args.dtype)
+    common = dict(max_num_seqs=BATCH, max_model_len=512, dtype=args.dtype,
+                  execution_mode=args.execution_mode)
     prompts = [[1 + i, 2 + i, 3 + i, 4 + i] for i in range(BATCH)]
     base = LLM(args.model, **common)
     cfg = base.engine.model_config
     with tempfile.TemporaryDirectory() as tmp:
         paths = [write_adapter(Path(tmp) / f"a{i}", cfg, args.rank, i) for i in range(4)]
         lora = LLM(args.model, enable_lora=True, max_loras=4, max_lora_rank=args.rank,
-                   **common)
+                   lora_dtype=args.lora_dtype, **common)
         loras = [LoRARequest(f"a{i % 4}", i % 4 + 1, paths[i % 4]) for i in range(BATCH)]
         engines = {"base": (base, None), "lora": (lora, loras)}
         for llm, requests in engines.values():  # first-use costs (slot copies) untimed
@@ -99,7 +103,8 @@ def main() -> int:
     lo = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"decode step, batch {BATCH}, threads {torch.get_num_threads()}, --dtype "
-          f"{args.dtype}, {args.rounds} rounds of {args.tokens} tokens, 4 adapters of rank "
+          f"{args.dtype}, --lora-dtype {args.lora_dtype}, --execution-mode "
+          f"{args.execution_mode}, {args.rounds} rounds of {args.tokens} tokens, 4 adapters of rank "
           f"{args.rank}")
     for k in ("base", "lora"):
         print(f"  {k}: min {lo[k]:.2f} ms, median {med[k]:.2f} ms  "
