@@ -38,3 +38,24 @@ def test_base_and_two_adapters_share_steps(tiny_model_factory, adapter_factory,
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NEW_TOKENS), lora
         if lora is not None:  # the adapter does change the answer (else this proves nothing)
             assert out.outputs[0].token_ids != hf_greedy(hf_model, prompt, NEW_TOKENS)
+
+
+def test_eager_steps_without_adapter_skip_lora(tiny_model, adapter_factory, monkeypatch
+                                               ) -> None:
+    """With --enable-lora, an eager step in which no row has an adapter runs no LoRA op at
+    all (the host knows: no slot input); a step with one runs it in every layer."""
+    from server.models.lora import slots as slot_module
+
+    calls = []
+    real = slot_module.lora_dense
+    monkeypatch.setattr(slot_module, "lora_dense",
+                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    folder, hf_model, _ = tiny_model
+    llm = LLM(folder, dtype="float32", block_size=16, max_num_seqs=4, enable_lora=True,
+              max_loras=1, max_lora_rank=8, enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params)
+    assert calls == []
+    llm.generate([[5, 6, 7]], params,
+                 lora_request=LoRARequest("a", 1, adapter_factory(hf_model, 8, seed=1)))
+    assert calls

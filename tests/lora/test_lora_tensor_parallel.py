@@ -12,7 +12,7 @@ from server import LLM, LoRARequest, SamplingParams
 from server.models.config import ModelConfig
 from server.models.lora import load_peft_adapter
 from server.models.lora.ops import lora_dense, slot_mask
-from server.models.lora.peft import LoRASite
+from server.models.lora.peft import LoRASite, site_shapes
 from server.models.tensor_parallel import ShardPlan
 from tests.lora.conftest import LLAMA_TARGETS, PHI3_TARGETS, hf_greedy, merged
 
@@ -41,20 +41,22 @@ def test_rank_parts_sum_to_the_whole_delta(tiny_model_factory, adapter_factory,
     d, q_all = cfg.head_dim, cfg.num_heads * cfg.head_dim
     kv_all = cfg.num_kv_heads * d
     for (layer, site), (a, bt) in adapter.weights.items():
-        def delta(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
-            zero_a, zero_bt = torch.zeros_like(a), torch.zeros_like(bt)
-            return lora_dense(x, torch.stack([zero_a, a]), torch.stack([zero_bt, bt]), mask)
+        def delta(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                  held: ModelConfig) -> torch.Tensor:
+            parts = site_shapes(held)[site].parts  # one slot: A [P, 1, r, in]
+            return lora_dense(x, a.view(len(parts), 1, -1, a.shape[1]), bt.unsqueeze(0),
+                              mask, parts)
 
         x = torch.randn(5, a.shape[1])
-        whole = delta(x, a, bt)
+        whole = delta(x, a, bt, cfg)
         ranks = [(p.weights[(layer, site)], plan) for p, plan in zip(parts, plans)]
         if site in (LoRASite.O, LoRASite.DOWN):  # row-parallel: input columns, summed
             width = a.shape[1] // 2
-            total = sum(delta(x[:, i * width:(i + 1) * width], ra, rbt)
-                        for i, ((ra, rbt), _) in enumerate(ranks))
+            total = sum(delta(x[:, i * width:(i + 1) * width], ra, rbt, plan.rank_config())
+                        for i, ((ra, rbt), plan) in enumerate(ranks))
             torch.testing.assert_close(total, whole)
             continue
-        outs = [delta(x, ra, rbt) for (ra, rbt), _ in ranks]
+        outs = [delta(x, ra, rbt, plan.rank_config()) for (ra, rbt), plan in ranks]
         if site is LoRASite.GATE_UP:  # each rank: its gate columns, then its up columns
             half = whole.shape[1] // 2
             gate = torch.cat([o[:, : o.shape[1] // 2] for o in outs], dim=1)

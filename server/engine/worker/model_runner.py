@@ -285,6 +285,8 @@ class ModelRunner:
         copied into slots first where they are not there yet."""
         assert self.lora is not None
         rows = self.lora.slots_for(s.lora for s in seqs)
+        if not any(rows) and not self.graphs.needs_warmup:
+            return inputs  # eager and no adapter in the step: the model skips LoRA
         if packed:
             slots = torch.repeat_interleave(torch.tensor(rows), torch.tensor(new_tokens))
         else:

@@ -2,12 +2,13 @@
 checked against the served model, scaling folded in.
 
 A loaded adapter is, per decoder layer and projection site of the model (the fused qkv and
-gate_up linears, o and down), one ``A`` ``[P * r, in]`` and one ``B^T`` ``[P * r, out]``
-where ``P`` is the site's parts (q/k/v: 3, gate/up: 2): part ``p`` owns rows
-``p * r .. p * r + r`` and writes only its own output columns (a block-diagonal ``B``), so
-one shrink and one expand serve the fused linear. A checkpoint of a fused base (Phi-3's
-``qkv_proj``) fills part 0's rows and every column. ``B`` carries the scaling
-(``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA).
+gate_up linears, o and down), one ``A`` ``[P * r, in]`` and one ``B^T`` ``[r, out]`` where
+``P`` is the site's parts (q/k/v: 3, gate/up: 2): part ``p`` owns ``A``'s rows
+``p * r .. p * r + r`` and writes only its own output columns of ``B^T`` from them, so one
+shrink serves the fused linear and each part's expand multiplies only its own columns
+(see ops.py). A checkpoint of a fused base (Phi-3's ``qkv_proj``) has one ``A`` for every
+column: it is repeated in each part's rows. ``B`` carries the scaling (``alpha / r``, or
+``alpha / sqrt(r)`` with rsLoRA).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def site_layers(cfg: ModelConfig, site: LoRASite) -> list[int]:
 
 @dataclass(slots=True)
 class LoRAAdapter:
-    """One adapter's weights in host memory: ``(layer, site) -> (A, B^T)`` at its own rank,
-    scaling folded into ``B^T``."""
+    """One adapter's weights in host memory: ``(layer, site) -> (A [P * r, in], B^T [r,
+    out])`` at its own rank, scaling folded into ``B^T``."""
 
     rank: int
     weights: dict[tuple[int, LoRASite], tuple[torch.Tensor, torch.Tensor]]
@@ -154,13 +155,14 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
         a_all, bt_all = weights.get((layer, site), (None, None))
         if a_all is None or bt_all is None:
             a_all = torch.zeros(num_parts * rank, shape.inputs)
-            bt_all = torch.zeros(num_parts * rank, shape.outputs)
-        p = part or 0
-        if a_all[p * rank:(p + 1) * rank].any():
+            bt_all = torch.zeros(rank, shape.outputs)
+        owned = range(num_parts) if part is None else (part,)  # a fused A serves every part
+        if any(a_all[p * rank:(p + 1) * rank].any() for p in owned):
             raise AdapterError(f"{where}: given twice (fused and split)")
         cols = (0 if part is None else sum(shape.parts[:part]))
-        a_all[p * rank:p * rank + r] = a.float()
-        bt_all[p * rank:p * rank + r, cols:cols + out] = b.float().t() * scaling(r)
+        for p in owned:
+            a_all[p * rank:p * rank + r] = a.float()
+        bt_all[:r, cols:cols + out] = b.float().t() * scaling(r)
         weights[(layer, site)] = (a_all, bt_all)
     return LoRAAdapter(rank, {k: (a.to(dtype), bt.to(dtype)) for k, (a, bt) in weights.items()})
 

@@ -2,8 +2,9 @@
 padded to ``max_lora_rank``, so that a batch with any mix of adapters runs the same shapes
 (and graphs) as one without any.
 
-Per layer and site, ``A [S + 1, P * R, in]`` and ``B^T [S + 1, P * R, out]`` (slot 0 stays
-zero: no adapter). Loading an adapter copies its weights into a slot in place: no tensor is
+Per layer and site, ``A [P, S, R, in]`` and ``B^T [S, R, out]`` (each part's output columns
+from its own ``R`` shrink rows: ops.py); slot ``s`` (1..S) is index ``s - 1``, a row of slot
+0 (no adapter) is masked out. Loading an adapter copies its weights into a slot in place: no tensor is
 reallocated, so compiled or captured graphs keep reading the same storage.
 """
 
@@ -17,22 +18,24 @@ from torch import nn
 
 from server.models.config import ModelConfig
 from server.models.lora.ops import lora_dense, slot_mask
-from server.models.lora.peft import LoRAAdapter, LoRASite, site_layers, site_shapes
+from server.models.lora.peft import LoRAAdapter, LoRASite, SiteShape, site_layers, site_shapes
 
 
 class LayerLoRA(nn.Module):
     """One decoder layer's slot stacks; ``apply`` adds each row's adapter to a projection's
     output."""
 
-    def __init__(self, sites: dict[LoRASite, tuple[int, int, int]], num_slots: int,
-                 rank: int, dtype: torch.dtype, device: torch.device | None) -> None:
+    def __init__(self, sites: dict[LoRASite, SiteShape], num_slots: int, rank: int,
+                 dtype: torch.dtype, device: torch.device | None) -> None:
         super().__init__()
-        for site, (parts, inputs, outputs) in sites.items():
-            width = parts * rank
+        for site, shape in sites.items():
             self.register_buffer(f"{site.value}_a", torch.zeros(
-                num_slots + 1, width, inputs, dtype=dtype, device=device), persistent=False)
+                len(shape.parts), num_slots, rank, shape.inputs, dtype=dtype,
+                device=device), persistent=False)
             self.register_buffer(f"{site.value}_bt", torch.zeros(
-                num_slots + 1, width, outputs, dtype=dtype, device=device), persistent=False)
+                num_slots, rank, shape.outputs, dtype=dtype, device=device),
+                persistent=False)
+        self.parts = {site: shape.parts for site, shape in sites.items()}
         self.sites = frozenset(sites)
 
     def stacks(self, site: LoRASite) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +47,11 @@ class LayerLoRA(nn.Module):
         if mask is None or site not in self.sites:
             return y
         a, bt = self.stacks(site)
-        delta = lora_dense(x.reshape(-1, x.shape[-1]).to(a.dtype), a, bt, mask)
+        x = x.reshape(-1, x.shape[-1]).to(a.dtype)
+        if y.dtype == a.dtype:  # the add rides in the expand GEMMs
+            return lora_dense(x, a, bt, mask, self.parts[site],
+                              y.reshape(-1, y.shape[-1])).view(y.shape)
+        delta = lora_dense(x, a, bt, mask, self.parts[site])
         return y + delta.to(y.dtype).view(y.shape)
 
 
@@ -77,8 +84,8 @@ class LoRASlots:
         self.dtype = dtype
         shapes = site_shapes(cfg)
         self.layers = [
-            LayerLoRA({site: (len(shape.parts), shape.inputs, shape.outputs)
-                       for site, shape in shapes.items() if i in site_layers(cfg, site)},
+            LayerLoRA({site: shape for site, shape in shapes.items()
+                       if i in site_layers(cfg, site)},
                       max_loras, max_rank, dtype, device)
             for i in range(cfg.num_layers)]
 
@@ -95,18 +102,15 @@ class LoRASlots:
         rank = adapter.rank
         for (layer, site), (a, bt) in adapter.weights.items():
             a_slot, bt_slot = self.layers[layer].stacks(site)
-            parts = a.shape[0] // rank
-            for p in range(parts):  # each part's rows padded to max_rank
-                rows = slice(p * self.max_rank, p * self.max_rank + rank)
-                a_slot[slot, rows].copy_(a[p * rank:(p + 1) * rank])
-                bt_slot[slot, rows].copy_(bt[p * rank:(p + 1) * rank])
+            a_slot[:, slot - 1, :rank].copy_(a.view(a_slot.shape[0], rank, a.shape[1]))
+            bt_slot[slot - 1, :rank].copy_(bt)
 
     def clear(self, slot: int) -> None:
         for layer in self.layers:
             for site in layer.sites:
                 a, bt = layer.stacks(site)
-                a[slot].zero_()
-                bt[slot].zero_()
+                a[:, slot - 1].zero_()
+                bt[slot - 1].zero_()
 
     @property
     def nbytes(self) -> int:
