@@ -38,7 +38,7 @@ from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.pooling.engine import PoolingEngine
 from server.engine.pooling.params import PoolingModelInfo
 from server.engine.request_state import RequestState
-from server.engine.sampling_defaults import SamplingDefaults
+from server.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
 from server.engine.stats_log import StatsLog
@@ -142,13 +142,17 @@ class AsyncEngine:
     def runtime_lora_updating(self) -> bool:
         """VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
         are served."""
-        return self.engine.lora_config.allow_runtime_lora_updating
+        engine = self.engine  # the pooling runner serves no adapters
+        return (not isinstance(engine, PoolingEngine)
+                and engine.lora_config.allow_runtime_lora_updating)
 
     def lora_adapters(self) -> list[LoRARequest]:
-        return self.engine.loras.all()
+        engine = self.engine
+        return [] if isinstance(engine, PoolingEngine) else engine.loras.all()
 
     def lora_adapter(self, name: str) -> LoRARequest | None:
-        return self.engine.loras.get(name)
+        engine = self.engine
+        return None if isinstance(engine, PoolingEngine) else engine.loras.get(name)
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn(*args)`` on the engine thread between steps, awaited without blocking."""
@@ -220,7 +224,8 @@ class AsyncEngine:
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:
-        return self.engine.sampling_defaults
+        engine = self.engine  # a pooling model samples nothing: no generation defaults
+        return NO_DEFAULTS if isinstance(engine, PoolingEngine) else engine.sampling_defaults
 
     @property
     def metrics_registry(self) -> CollectorRegistry:

@@ -34,7 +34,7 @@ def test_gguf_header_config_matches_transformers(smollm2_gguf) -> None:
 
 
 def test_missing_model_paths_are_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="never downloaded"):
+    with pytest.raises(FileNotFoundError, match="not a local folder or .gguf file"):
         resolve_model_source("meta-llama/Llama-3-8B")
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_model_source(str(tmp_path))

@@ -126,9 +126,13 @@ class PoolingEngine:
 
     def prepare(self, request_id: str, prompt: str | list[int],
                 params: PoolingParams | None = None, arrival_time: float | None = None,
-                client: str = "", grammar: bool = True) -> PoolingRequest:
-        """Tokenizes and checks a request (any thread)."""
+                client: str = "", grammar: bool = True,
+                lora_request: object | None = None) -> PoolingRequest:
+        """Tokenizes and checks a request (any thread). Pooling serves no LoRA adapters:
+        the API never resolves one here (``lora_request`` stays None)."""
         del grammar
+        if lora_request is not None:
+            raise RequestError("LoRA adapters are not served by the pooling runner", "model")
         params = params if isinstance(params, PoolingParams) else PoolingParams()
         if params.task not in self.info.tasks:
             raise RequestError(f"this model does not support the {params.task} task "

@@ -9,6 +9,7 @@ from server.engine.executor import FaultListener
 from server.engine.llm_engine import LLMEngine
 from server.engine.pooling.engine import PoolingEngine
 from server.models.encoders.load import checkpoint_pools
+from server.models.hub import with_local_model
 from server.models.loader import resolve_model_source
 
 
@@ -24,7 +25,9 @@ def resolve_runner(config: EngineConfig) -> Runner:
 
 def build_engine(config: EngineConfig,
                  on_fault: FaultListener | None = None) -> LLMEngine | PoolingEngine:
-    """The engine core ``--runner`` asks for (resolved from the checkpoint when auto)."""
+    """The engine core ``--runner`` asks for (resolved from the checkpoint when auto). A Hub
+    id is resolved to its cached copy first: the checkpoint decides the runner."""
+    config = with_local_model(config)
     if resolve_runner(config) is Runner.POOLING:
         return PoolingEngine(config, on_fault)
     return LLMEngine(config, on_fault)
