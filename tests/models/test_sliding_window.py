@@ -125,6 +125,7 @@ def test_fused_cpu_kernels_serve_windows_and_drop_those_that_mask_nothing(
     assert out.token_ids == hf_greedy(hf_model, prompt, 10)
 
 
+@pytest.mark.slow  # a compiled whole-model run (12 s): make test-fast leaves it to make test
 def test_gemma3_compiled_graphs_window_like_transformers(tiny_model_factory, tmp_path) -> None:
     """torch.compile per bucket (static shapes; pad rows and pad blocks in every step): the
     window masks replay without recompiling and tokens equal transformers'. Sliding and
