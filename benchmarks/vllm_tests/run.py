@@ -38,6 +38,7 @@ TEST_FILES = (
     "tests/entrypoints/openai/models/test_models.py",
     "tests/entrypoints/openai/responses/test_basic.py",
     "tests/entrypoints/openai/responses/test_simple.py",
+    "tests/entrypoints/openai/test_run_batch.py",
     "tests/entrypoints/serve/tokenize/test_tokenization.py",
     "tests/entrypoints/serve/instrumentator/test_metrics.py",
     "tests/entrypoints/serve/sleep/test_sleep.py",
@@ -48,6 +49,14 @@ CONFTESTS = (
     "tests/entrypoints/openai/basic/conftest.py",
     "tests/entrypoints/openai/responses/conftest.py",
 )
+
+
+VLLM_COMMAND = """import sys
+from vllm.entrypoints.openai.run_batch import main
+if sys.argv[1:2] != ["run-batch"]:
+    sys.exit("vllm: only run-batch is stood in for")
+main(sys.argv[2:])
+"""
 
 
 @dataclass
@@ -80,6 +89,11 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
         dst = staging / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, dst)
+    # ``vllm run-batch`` as the tests call it: the shim's run-batch, in this interpreter
+    (staging / "bin").mkdir()
+    command = staging / "bin" / "vllm"
+    command.write_text(f"#!{sys.executable}\n" + VLLM_COMMAND)
+    command.chmod(0o755)
     for folder in (staging / "tests").rglob("*"):
         if folder.is_dir():
             (folder / "__init__.py").touch()
@@ -104,7 +118,8 @@ def run_file(staging: Path, rel: str, timeout_s: int, log_dir: Path) -> FileResu
     result = FileResult(rel)
     junit = log_dir / (rel.replace("/", "__") + ".xml")
     log = log_dir / (rel.replace("/", "__") + ".log")
-    env = dict(os.environ, HPU_SERVE_ROOT=str(ROOT), PYTHONPATH=str(staging))
+    env = dict(os.environ, HPU_SERVE_ROOT=str(ROOT), PYTHONPATH=str(staging),
+               PATH=f"{staging / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = [sys.executable, "-m", "pytest", rel, "-p", "no:cacheprovider", "-p", "no:randomly",
            "-p", "no:anyio", f"--timeout={timeout_s}", "-rA",
            f"--junitxml={junit}", "-o", "junit_family=xunit2"]

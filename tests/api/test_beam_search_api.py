@@ -54,7 +54,15 @@ def test_chat_beams_are_transformers(client, tiny_model) -> None:
     answer = client.chat.completions.create(model=MODEL_NAME, messages=messages, n=2,
                                             max_tokens=5, extra_body=BEAMS, logprobs=True,
                                             top_logprobs=2)
-    assert [c.message.content for c in answer.choices] == hf_texts(tiny_model, prompt, 2, 5)
+    expected = hf_texts(tiny_model, prompt, 2, 5)
+    assert [c.message.content for c in answer.choices] == expected
+    streamed = client.chat.completions.create(model=MODEL_NAME, messages=messages, n=2,
+                                              max_tokens=5, extra_body=BEAMS, stream=True)
+    got: dict[int, str] = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            got[choice.index] = got.get(choice.index, "") + (choice.delta.content or "")
+    assert [got[0], got[1]] == expected
     assert all(len(c.logprobs.content) == 5 for c in answer.choices)
     assert all(len(e.top_logprobs) == 2 for c in answer.choices for e in c.logprobs.content)
 
