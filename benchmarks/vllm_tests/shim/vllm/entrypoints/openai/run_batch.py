@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-# the embedded model stands in for an embedding model as an embedder (last-token pooling)
+# embedding models, served by a stand-in embedder (last-token pooling)
 EMBEDDING_MODELS = ("intfloat/multilingual-e5-small", "BAAI/bge-", "sentence-transformers/")
 
 
@@ -42,7 +42,9 @@ def hpu_serve_args(argv: list[str]) -> list[str]:
     if model is not None:
         args += ["--served-model-name", model]
         if model.startswith(EMBEDDING_MODELS) and "reranker" not in model:
-            args += ["--convert", "embed"]
+            # the embedded model is a GGUF file, which the pooling runner does not load: a
+            # tiny random Llama (an HF folder run.py lays out) is the embedder instead
+            args += [os.environ["VLLM_SHIM_EMBEDDER"], "--convert", "embed"]
     return args
 
 
