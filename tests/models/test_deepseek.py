@@ -200,7 +200,7 @@ def test_compiled_buckets_serve_with_no_compilation(tiny_model_factory, tmp_path
     to transformers' with 0 compilations and 0 bucket misses while serving."""
     folder, hf_model = tiny_model_factory(**V3)[:2]
     buckets = tmp_path / "b.txt"
-    buckets.write_text("([1, 2, 4], 48, [0])\n([1, 2, 4], 1, [8, 32])\n")
+    buckets.write_text("([4], 48, [0])\n([4], 1, [16, 32])\n")  # 3 graphs: CPU compiles are slow
     llm = LLM(folder, dtype="float32", block_size=8, max_num_seqs=4, max_model_len=64,
               execution_mode="compile", enable_prefix_caching=False,
               environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
@@ -216,3 +216,39 @@ def test_compiled_buckets_serve_with_no_compilation(tiny_model_factory, tmp_path
     assert counters.compilations(stage="serving") == 0
     assert sum(counters._misses.labels(counters.model_name, p)._value.get()
                for p in ("prefill", "decode")) == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_1(tiny_model_factory) -> None:
+    """TP 2: each rank holds half the heads (q, kv_b, o split by head) and the whole
+    latent (replicated: every rank caches it), half of every expert and of the shared
+    expert; same greedy tokens and logits as one rank."""
+    from tests.engine.executor.test_tensor_parallel import PROMPTS, SMALL, assert_same, generate
+
+    folder = tiny_model_factory(**V3)[0]
+    reference = generate(folder, 1, PROMPTS, 16, **SMALL)
+    parallel = generate(folder, 2, PROMPTS, 16, **SMALL)
+    assert_same(reference, parallel)
+
+
+def test_tensor_parallel_shards_split_heads_and_replicate_the_latent(tiny_model_factory
+                                                                    ) -> None:
+    from server.hpu.distributed import ParallelContext
+
+    source = resolve_model_source(tiny_model_factory(**V3)[0])
+    whole = load_model(source, "float32", torch.device("cpu")).model
+    ranks = [load_model(source, "float32", torch.device("cpu"), ParallelContext(r, 2))
+             for r in range(2)]
+    attn = [r.model.layers[1].self_attn for r in ranks]
+    assert [a.num_heads for a in attn] == [2, 2]
+    full = whole.layers[1].self_attn
+    # kv_b_proj: rank r holds heads 2r, 2r + 1 (28 rows each: 16 key + 12 value)
+    torch.testing.assert_close(torch.cat([a.kv_b_proj.weight for a in attn]),
+                               full.kv_b_proj.weight)
+    torch.testing.assert_close(torch.cat([a.o_proj.weight for a in attn], dim=1),
+                               full.o_proj.weight)
+    for a in attn:  # the latent's projection is every rank's
+        torch.testing.assert_close(a.kv_a_proj_with_mqa.weight, full.kv_a_proj_with_mqa.weight)
+    shared = [r.model.layers[1].mlp.shared_experts for r in ranks]
+    assert [s.down_proj.weight.shape[1] for s in shared] == [16, 16]
+    assert all(r.config.kv_layout == whole.config.kv_layout for r in ranks)
