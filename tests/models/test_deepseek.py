@@ -252,3 +252,18 @@ def test_tensor_parallel_shards_split_heads_and_replicate_the_latent(tiny_model_
     shared = [r.model.layers[1].mlp.shared_experts for r in ranks]
     assert [s.down_proj.weight.shape[1] for s in shared] == [16, 16]
     assert all(r.config.kv_layout == whole.config.kv_layout for r in ranks)
+
+
+@pytest.mark.slow
+def test_speculative_verify_steps_match_transformers(tiny_model_factory) -> None:
+    """n-gram drafts on repetitive prompts: the verify steps (several queries per row over
+    the latent cache) keep transformers' greedy tokens, and drafts were accepted."""
+    folder, hf_model = tiny_model_factory(**V3)[:2]
+    llm = LLM(folder, dtype="float32", block_size=8, max_num_seqs=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3})
+    prompts = [list(range(5, 25)) * 3, [7, 8, 9] * 10]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)
+    assert llm.engine.stats().spec_num_drafts > 0
