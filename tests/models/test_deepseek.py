@@ -144,10 +144,12 @@ def test_kv_bytes_per_token_are_the_latent(tiny_model_factory, caplog) -> None:
     assert tuple(runner.kv_caches[0][0].shape) == (runner.num_blocks + 1, 1, BLOCK, 40)
 
 
-def test_greedy_tokens_match_transformers_with_prefix_caching(tiny_model_factory) -> None:
+@pytest.mark.parametrize("case", [V3, V2], ids=["v3", "v2"])
+def test_greedy_tokens_match_transformers_with_prefix_caching(tiny_model_factory,
+                                                              case: dict) -> None:
     """Engine end to end, 4-token blocks: long prompts, then one continuing the first, so
     its prefill starts after cached blocks (the absorbed paged-prefill path)."""
-    folder, hf_model = tiny_model_factory(**V3)[:2]
+    folder, hf_model = tiny_model_factory(**case)[:2]
     llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=4,
               enable_prefix_caching=True)
     gen = torch.Generator().manual_seed(5)
