@@ -227,6 +227,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.float()
 
+    def keep_router_bias_in_float(self) -> None:
+        """DeepSeek-V3's expert-choice bias stays float32, as its reference keeps it: in
+        bfloat16 its small differences between experts would round away and change picks."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock) and module.e_score_correction_bias is not None:
+                module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+
     def serve_context(self, max_model_len: int) -> None:
         """Drops the windows no served sequence can outgrow: they would mask nothing, and
         their layers then skip the masks (Gemma 3's sliding layers keep their own RoPE)."""

@@ -269,3 +269,16 @@ def test_speculative_verify_steps_match_transformers(tiny_model_factory) -> None
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)
     assert llm.engine.stats().spec_num_drafts > 0
+
+
+def test_router_bias_stays_float32_in_bfloat16(tiny_model_factory) -> None:
+    from safetensors import safe_open
+
+    folder = tiny_model_factory(**V3)[0]
+    model = load_model(resolve_model_source(folder), "bfloat16", torch.device("cpu")).model
+    block = model.layers[1].mlp
+    assert block.gate.weight.dtype == torch.bfloat16
+    with safe_open(f"{folder}/model.safetensors", "pt") as f:
+        want = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert block.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(block.e_score_correction_bias.data, want.float())
