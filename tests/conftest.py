@@ -127,6 +127,8 @@ def save_tiny_model(
             head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
             norm_topk_prob=False, mlp_only_layers=[1], **common)
         cls = transformers.Qwen3MoeForCausalLM
+    elif model_type in ("deepseek_v3", "deepseek_v2"):
+        config, cls = _deepseek_config(model_type, common, rope_scaling)
     else:
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling
@@ -143,10 +145,40 @@ def save_tiny_model(
             if name.endswith(("q_norm.weight", "k_norm.weight")) or (
                     model_type.startswith("gemma") and name.endswith("norm.weight")):
                 p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
+                buffer.copy_(torch.rand(buffer.shape, generator=torch.Generator()
+                                        .manual_seed(seed)) * 0.5)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return model, tokenizer
+
+
+def _deepseek_config(model_type: str, common: dict, rope_scaling: dict | None) -> tuple:
+    """DeepSeek-V3 (or V2) in miniature: latent attention with a value head smaller than
+    the query / key head, q through a low-rank pair (V3) or direct (V2), layer 0 dense and
+    the others 8 routed experts in 4 groups (2 eligible, top-2) plus a shared expert, YaRN
+    whose mscale changes both the RoPE tables and the softmax scale."""
+    import transformers
+
+    common = dict(common, num_hidden_layers=3, num_key_value_heads=None)
+    v3 = model_type == "deepseek_v3"
+    rope = rope_scaling or dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0,
+                                original_max_position_embeddings=128, mscale=1.0,
+                                mscale_all_dim=0.8, beta_fast=32, beta_slow=1)
+    mla = dict(kv_lora_rank=32, q_lora_rank=48 if v3 else None, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=12)
+    moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+               routed_scaling_factor=2.5)
+    if v3:
+        return transformers.DeepseekV3Config(
+            rope_parameters=rope, norm_topk_prob=True, **mla, **moe, **common
+        ), transformers.DeepseekV3ForCausalLM
+    return transformers.DeepseekV2Config(
+        rope_parameters=rope, topk_method="group_limited_greedy", **mla, **moe, **common
+    ), transformers.DeepseekV2ForCausalLM
 
 
 @pytest.fixture(scope="session")

@@ -154,11 +154,11 @@ def paged_prefill_attention(
     tables = meta.context_tables
     keys = k_cache.index_select(0, tables.reshape(-1)).view(
         bs, tables.shape[1], num_kv_heads, meta.block_size, head_dim)
-    values = v_cache.index_select(0, tables.reshape(-1)).view_as(keys)
     # [bs, Hkv, L, D], L = blocks * block_size, position-ordered
     keys = keys.permute(0, 2, 1, 3, 4).reshape(bs, num_kv_heads, -1, head_dim)
-    values = values.permute(0, 2, 1, 3, 4).reshape(bs, num_kv_heads, -1, head_dim)
-    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    keys = keys.to(query.dtype)
+    values = keys if v_cache is k_cache else _prefill_values(v_cache, tables, bs, meta)
+    values = values.to(query.dtype)
     if groups > 1:
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
@@ -180,6 +180,29 @@ def paged_prefill_attention(
     return torch.matmul(probs.to(values.dtype), values).transpose(1, 2)
 
 
+def _prefill_values(v_cache: torch.Tensor, tables: torch.Tensor, bs: int,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """Each row's values ``[bs, Hkv, L, Dv]``, position-ordered."""
+    num_kv_heads, value_dim = v_cache.shape[1], v_cache.shape[-1]
+    values = v_cache.index_select(0, tables.reshape(-1)).view(
+        bs, tables.shape[1], num_kv_heads, meta.block_size, value_dim)
+    return values.permute(0, 2, 1, 3, 4).reshape(bs, num_kv_heads, -1, value_dim)
+
+
+def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_list: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The listed blocks of K and V, ``[N, Hkv, B, D]`` / ``[N, Hkv, B, Dv]``, as 2-D row
+    gathers (the N-D index_select takes a much slower element-wise path on CPU); one
+    gather where a single tensor holds keys and values (multi-head latent attention)."""
+    keys = k_cache.flatten(1).index_select(0, block_list).view(
+        block_list.shape[0], *k_cache.shape[1:])
+    if v_cache is k_cache:
+        return keys, keys
+    values = v_cache.flatten(1).index_select(0, block_list).view(
+        block_list.shape[0], *v_cache.shape[1:])
+    return keys, values
+
+
 def flat_paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -189,7 +212,8 @@ def flat_paged_attention(
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """One decode token per row attending over its blocks. query ``[bs, Hq, D]`` -> same.
+    """One decode token per row attending over its blocks. query ``[bs, Hq, D]`` -> ``[bs,
+    Hq, Dv]`` (Dv, the values' size: D but in multi-head latent attention's reference path).
 
     Per-block partial softmax, then a cross-block renormalisation using the sequence-wide
     max (scatter amax by group) and sums via ``block_mapping`` matmuls. A ``window`` masks
@@ -203,17 +227,16 @@ def flat_paged_attention(
     groups = num_q_heads // num_kv_heads
     block_size = meta.block_size
     num_blocks = meta.block_list.shape[0]
-    block_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    value_dim = v_cache.shape[-1]
 
     # batch2block: every block gets its sequence's query.
     q_blk = meta.block_mapping @ (query * scale).reshape(bs, num_q_heads * head_dim)
     q_blk = q_blk.view(num_blocks, num_kv_heads, groups, head_dim)
 
-    # 2-D row gathers: the N-D index_select takes a much slower element-wise path on CPU.
-    keys = k_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
-    values = v_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
+    keys, values = _gather_blocks(k_cache, v_cache, meta.block_list)
     if keys.dtype != query.dtype:  # fp8 storage: upcast the gathered blocks only
-        keys, values = keys.to(query.dtype), values.to(query.dtype)
+        keys = keys.to(query.dtype)
+        values = keys if v_cache is k_cache else values.to(query.dtype)
 
     scores = torch.matmul(q_blk, keys.transpose(-1, -2)).float()  # [N, Hkv, G, B]
     if softcap is not None:  # Gemma 2
@@ -243,8 +266,8 @@ def flat_paged_attention(
 
     mapping = meta.block_mapping
     seq_sum = mapping.t().float() @ block_sum.view(num_blocks, -1)  # [bs, Hkv*G]
-    out = mapping.t() @ out_blk.reshape(num_blocks, -1)  # block2batch: [bs, Hkv*G*D]
-    out = out.view(bs, num_kv_heads * groups, head_dim).float()
+    out = mapping.t() @ out_blk.reshape(num_blocks, -1)  # block2batch: [bs, Hkv*G*Dv]
+    out = out.view(bs, num_kv_heads * groups, value_dim).float()
     # Pad rows have no blocks: guard their zero sum instead of dividing by it.
     out = out / seq_sum.clamp_min(1e-30).view(bs, num_kv_heads * groups, 1)
     return out.to(query.dtype)
@@ -275,16 +298,16 @@ def flat_paged_verify_attention(
     groups = num_q_heads // num_kv_heads
     block_size = meta.block_size
     num_blocks = meta.block_list.shape[0]
-    block_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    value_dim = v_cache.shape[-1]
 
     q_blk = meta.block_mapping @ (query * scale).reshape(bs, -1)
     # [N, Hkv, q * G, D]: every query of the row against the block's keys in one matmul
     q_blk = q_blk.view(num_blocks, q_len, num_kv_heads, groups, head_dim).permute(
         0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, q_len * groups, head_dim)
-    keys = k_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
-    values = v_cache.flatten(1).index_select(0, meta.block_list).view(block_shape)
+    keys, values = _gather_blocks(k_cache, v_cache, meta.block_list)
     if keys.dtype != query.dtype:
-        keys, values = keys.to(query.dtype), values.to(query.dtype)
+        keys = keys.to(query.dtype)
+        values = keys if v_cache is k_cache else values.to(query.dtype)
 
     scores = torch.matmul(q_blk, keys.transpose(-1, -2)).float()  # [N, Hkv, q*G, B]
     if softcap is not None:
@@ -311,6 +334,6 @@ def flat_paged_verify_attention(
     mapping = meta.block_mapping
     seq_sum = mapping.t().float() @ block_sum.reshape(num_blocks, -1)  # [bs, Hkv*q*G]
     out = (mapping.t() @ out_blk.reshape(num_blocks, -1)).float()  # [bs, Hkv*q*G*D]
-    out = out.view(bs, num_kv_heads, q_len, groups, head_dim)
+    out = out.view(bs, num_kv_heads, q_len, groups, value_dim)
     out = out / seq_sum.clamp_min(1e-30).view(bs, num_kv_heads, q_len, groups, 1)
-    return out.permute(0, 2, 1, 3, 4).reshape(tokens, num_q_heads, head_dim).to(query.dtype)
+    return out.permute(0, 2, 1, 3, 4).reshape(tokens, num_q_heads, value_dim).to(query.dtype)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from server.hpu.kv_cache import KVCacheLayout
+from server.models.deepseek_config import MLASettings, deepseek_settings
+from server.models.moe_routing import RouterSettings
 from server.models.quantized import QuantConfig
 from server.models.registry import architecture_of
 
@@ -72,6 +75,17 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()
+    # how the router picks and weighs experts (DeepSeek's grouped, biased top-k), and
+    # DeepSeek's shared experts: one MLP of num_shared_experts * moe_intermediate_size
+    # that every token of a sparse layer goes through besides its routed experts
+    moe_router: RouterSettings = RouterSettings()
+    num_shared_experts: int = 0
+    # DeepSeek-V2 / V3's multi-head latent attention (None: the usual heads); head_dim is
+    # then the RoPE part of a head, which the rotary tables span
+    mla: MLASettings | None = None
+    # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's
+    # num_nextn_predict_layers): the loader skips their tensors, saying so
+    mtp_layers: int = 0
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -126,6 +140,8 @@ class ModelConfig:
         )
         fields.update(moe)
         fields.update(gemma)  # Gemma's readings replace the Llama ones
+        if arch.mla:
+            fields.update(deepseek_settings(hf, model_type == "deepseek_v3", rope_scaling))
         return cls(**fields)
 
     def layer_window(self, index: int) -> int | None:
@@ -145,6 +161,14 @@ class ModelConfig:
     @property
     def uses_local_rope(self) -> bool:
         return self.local_rope_theta is not None
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """What each token leaves in each layer's KV cache: K and V heads, or MLA's
+        latent and RoPE key, read as keys and values at once."""
+        if self.mla is not None:
+            return KVCacheLayout(self.num_layers, 1, self.mla.cache_dim, shared_kv=True)
+        return KVCacheLayout(self.num_layers, self.num_kv_heads, self.head_dim)
 
 
 def _window_settings(hf: Any) -> dict[str, Any]:
@@ -201,7 +225,8 @@ def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:
     moe_size = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
     dense_layers = set(getattr(hf, "mlp_only_layers", None) or ())
     step = getattr(hf, "decoder_sparse_step", None) or 1
-    layers = tuple(i for i in range(hf.num_hidden_layers)
+    first_sparse = getattr(hf, "first_k_dense_replace", None) or 0  # DeepSeek
+    layers = tuple(i for i in range(first_sparse, hf.num_hidden_layers)
                    if experts > 0 and i not in dense_layers and (i + 1) % step == 0)
     return dict(
         num_experts=int(experts),

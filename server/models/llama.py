@@ -12,25 +12,12 @@ from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import Rope, TorchLayerOps
 from server.models.config import ModelConfig
 from server.models.lora import LayerLoRA, LoRASite, LoRASlots
+from server.models.mla import MLAttention
 from server.models.moe import SparseMoeBlock
+from server.models.norm import RMSNorm
 from server.models.rotary import RotaryEmbedding
 
 _TORCH_OPS = TorchLayerOps()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.ops: TorchLayerOps = _TORCH_OPS
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x)``, or with a residual stream ``(norm(residual + x), residual + x)``."""
-        if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -94,11 +81,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """``intermediate_size``: other than the config's (DeepSeek's shared experts)."""
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.intermediate_size = inter
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gelu = cfg.mlp_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
         self.ops: TorchLayerOps = _TORCH_OPS
         self.lora: LayerLoRA | None = None  # --enable-lora: the layer's adapter slots
@@ -117,12 +106,17 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, index)
+        # DeepSeek's latent attention, or the usual heads
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(cfg, index) if cfg.mla is not None else Attention(cfg, index))
         # Gemma 3's sliding layers rotate by their own RoPE table
         self.local_rope = cfg.uses_local_rope and self.self_attn.window is not None
         # mixture-of-experts families list their sparse layers; the rest stay dense
-        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(cfg) if index in cfg.moe_layers
-                                          else MLP(cfg))
+        self.mlp: MLP | SparseMoeBlock = MLP(cfg)
+        if index in cfg.moe_layers:
+            shared = (MLP(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size)
+                      if cfg.num_shared_experts else None)
+            self.mlp = SparseMoeBlock(cfg, shared)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier
@@ -233,6 +227,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.float()
 
+    def keep_router_bias_in_float(self) -> None:
+        """DeepSeek-V3's expert-choice bias stays float32, as its reference keeps it: in
+        bfloat16 its small differences between experts would round away and change picks."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock) and module.e_score_correction_bias is not None:
+                module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+
     def serve_context(self, max_model_len: int) -> None:
         """Drops the windows no served sequence can outgrow: they would mask nothing, and
         their layers then skip the masks (Gemma 3's sliding layers keep their own RoPE)."""
@@ -243,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
     def enable_lora(self, slots: LoRASlots) -> None:
         """Gives every layer's projections its adapter slots (``--enable-lora``): from then
         on each forward adds each token's adapter, the slot index tensor an input."""
+        if self.config.mla is not None:
+            raise ValueError("LoRA adapters (--enable-lora) are not supported for models "
+                             "with multi-head latent attention (DeepSeek-V2 / V3)")
         self.lora_slots = slots
         for layer, layer_slots in zip(self.layers, slots.layers):
             layer.self_attn.lora = layer_slots

@@ -153,6 +153,8 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.to(torch_dtype)
     if cfg.norm_offset:
         model.keep_norms_in_float()
+    if cfg.moe_router.score_bias:
+        model.keep_router_bias_in_float()
     # RoPE tables are buffers computed at init (in float32): build them for real.
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:

@@ -44,6 +44,7 @@ from torch import nn
 
 from server.hpu.layer_ops import TorchLayerOps
 from server.models.config import ModelConfig
+from server.models.moe_routing import route
 
 # Rows below which a GEMM takes about as long as reading its weight (the roofline knee,
 # very roughly, across the devices served); only the choice of computation depends on it.
@@ -144,13 +145,20 @@ def _sort_into_blocks(flat_ids: torch.Tensor, num_experts: int, block: int, num_
 
 
 class SparseMoeBlock(nn.Module):
-    """Drop-in for ``MLP`` in a sparse layer: ``[..., H] -> [..., H]``."""
+    """Drop-in for ``MLP`` in a sparse layer: ``[..., H] -> [..., H]``; ``shared``: an MLP
+    every token goes through besides its routed experts (DeepSeek's shared experts)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None) -> None:
         super().__init__()
         self.num_experts = cfg.num_experts
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
+        self.router = cfg.moe_router  # see moe_routing.py
+        # DeepSeek-V3's per-expert bias of the choice (the checkpoint's
+        # gate.e_score_correction_bias)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts))
+                                        if self.router.score_bias else None)
+        self.shared_experts = shared
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)  # the router
         self.w_gate_up = nn.Parameter(torch.empty(cfg.num_experts, 2 * inter, hidden))
@@ -159,10 +167,9 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, H]`` -> (weights ``[T, k]`` in x's dtype, expert ids ``[T, k]``)."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        bias = self.e_score_correction_bias
+        weights, ids = route(self.gate(x).float(), self.top_k, self.renormalize, self.router,
+                             bias.float() if bias is not None else None)
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,4 +181,6 @@ class SparseMoeBlock(nn.Module):
             out = dense_experts(x, self.w_gate_up, self.w_down, weights, ids, self.ops)
         else:
             out = grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, self.ops, plan)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out.view(shape)

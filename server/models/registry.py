@@ -30,6 +30,9 @@ class Architecture:
     # Gemma 2 / 3: (1 + w) norms, a norm after each sublayer too, GeGLU, embeddings scaled
     # by sqrt(hidden), soft-capped attention scores and logits where the config sets caps
     gemma: bool = False
+    # DeepSeek-V2 / V3: multi-head latent attention (server/models/mla.py), whose KV cache
+    # holds a compressed latent; routed plus shared experts, grouped top-k routing
+    mla: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -51,6 +54,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
                  gguf_permuted_qk=False),
+    # no GGUF: llama.cpp's deepseek2 export splits kv_b_proj into per-head k_b / v_b
+    # tensors the gguf reader here does not map (yet)
+    Architecture("DeepseekV2ForCausalLM", "deepseek_v2", None, moe=True, mla=True),
+    Architecture("DeepseekV3ForCausalLM", "deepseek_v3", None, moe=True, mla=True),
 )}
 
 

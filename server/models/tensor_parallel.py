@@ -10,6 +10,10 @@ slices; three places talk to the other ranks:
 - the MLP: gate/up column-parallel, down row-parallel (one all-reduce); in a sparse layer
   every expert's intermediate dimension is split the same way (the router is replicated
   and routes identically on every rank), again one all-reduce of the block's output;
+- multi-head latent attention (DeepSeek): the query projection, ``kv_b_proj`` (latent to
+  each head's key and value) and ``o_proj`` are split by heads as above; the latent's own
+  projection and norm are replicated, so every rank caches the whole latent (it is one
+  "head" shared by all) and attends over it with its own heads;
 - the vocabulary: the embedding and the LM head are split by vocabulary rows (padded to
   a multiple of ``N``); a token's embedding comes from the one rank that owns it (an
   all-reduce of mostly zeros) and the logits of every rank are gathered, then trimmed.
@@ -141,6 +145,11 @@ class ShardPlan:
         kv_start, kv_len = self.first_kv_head * d, self.kv_heads * d
         inter = cfg.intermediate_size // self.world_size
         moe = cfg.moe_intermediate_size // self.world_size
+        if cfg.mla is not None and (mla_cut := self._mla_cut(name)) is not None:
+            return mla_cut
+        if _SHARED_EXPERTS.search(name):  # DeepSeek: an MLP of num_shared_experts * moe
+            shared = moe * cfg.num_shared_experts
+            return Cut(1 if name.endswith("down_proj.weight") else 0, ((r * shared, shared),))
         if _EXPERT_IN.search(name):
             return Cut(0, ((r * moe, moe),))
         if _EXPERT_OUT.search(name):
@@ -175,6 +184,22 @@ class ShardPlan:
             per, start = self.vocab_per_rank, self.vocab_start
             return Cut(0, ((start, max(0, min(per, shape[0] - start))),), pad_to=per)
         return Cut()  # replicated: norms, the router, RoPE factors
+
+    def _mla_cut(self, name: str) -> Cut | None:
+        """The head-split tensors of latent attention (None: not one of them)."""
+        mla = self.config.mla
+        assert mla is not None
+        heads, r = self.q_heads, self.rank
+        if _MLA_Q.search(name):
+            rows = heads * mla.qk_head_dim
+            return Cut(0, ((r * rows, rows),))
+        if _MLA_KV_B.search(name):
+            rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+            return Cut(0, ((r * rows, rows),))
+        if _O_WEIGHT.search(name):
+            cols = heads * mla.v_head_dim
+            return Cut(1, ((r * cols, cols),))
+        return None
 
 
     # LoRA adapters (server/models/lora): each ``A [P * r, in]``, ``B^T [P * r, out]`` cut
@@ -241,6 +266,9 @@ def _cut(cut: Cut, tensor: torch.Tensor) -> torch.Tensor:
     return _apply(cut, tuple(tensor.shape), lambda index: tensor[index]) if cut.ranges else tensor
 
 
+_MLA_Q = re.compile(r"\.(q_proj|q_b_proj)\.weight$")
+_MLA_KV_B = re.compile(r"\.kv_b_proj\.weight$")
+_SHARED_EXPERTS = re.compile(r"\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_IN = re.compile(r"\.experts\.\d+\.(w1|w3|gate_proj|up_proj)\.weight$")
 _EXPERT_OUT = re.compile(r"\.experts\.\d+\.(w2|down_proj)\.weight$")
 _STACKED_GATE_UP = re.compile(r"\.experts\.gate_up_proj(\.weight)?$")
