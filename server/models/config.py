@@ -72,6 +72,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()
+    # gpt-oss (server/models/gpt_oss.py): a learned sink logit per attention head; biases on
+    # the router and on every expert's projections; the experts' clamped SwiGLU,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+    attn_sinks: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -92,6 +99,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
         gemma = _gemma_settings(hf) if arch.gemma else {}
+        gpt_oss = _gpt_oss_settings(hf) if arch.gpt_oss else {}
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -126,6 +134,7 @@ class ModelConfig:
         )
         fields.update(moe)
         fields.update(gemma)  # Gemma's readings replace the Llama ones
+        fields.update(gpt_oss)
         return cls(**fields)
 
     def layer_window(self, index: int) -> int | None:
@@ -190,6 +199,15 @@ def _gemma_settings(hf: Any) -> dict[str, Any]:
         norm_offset=1.0,
         embedding_multiplier_in_dtype=True,
     )
+
+
+def _gpt_oss_settings(hf: Any) -> dict[str, Any]:
+    """gpt-oss's departures: sinks, biased router and experts, the clamped SwiGLU. Its
+    router takes the softmax of the top-k logits, which is the renormalised top-k of the
+    full softmax (the registry entry sets moe_renormalize)."""
+    return dict(attn_sinks=True, moe_bias=True,
+                swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
+                swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)))
 
 
 def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:

@@ -30,6 +30,10 @@ class Architecture:
     # Gemma 2 / 3: (1 + w) norms, a norm after each sublayer too, GeGLU, embeddings scaled
     # by sqrt(hidden), soft-capped attention scores and logits where the config sets caps
     gemma: bool = False
+    # gpt-oss: attention sinks, biased router and experts with a clamped SwiGLU, MXFP4
+    # experts in its checkpoints (server/models/gpt_oss.py); layer_types window every other
+    # layer
+    gpt_oss: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -51,6 +55,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
                  gguf_permuted_qk=False),
+    # no GGUF: the installed gguf package cannot write its MXFP4 tensors (see docs/models.md)
+    Architecture("GptOssForCausalLM", "gpt_oss", None, moe=True, moe_renormalize=True,
+                 gguf_permuted_qk=False, gpt_oss=True),
 )}
 
 
