@@ -111,3 +111,70 @@ def test_chat_reader_chains_both_and_marks_a_call() -> None:
     assert parts.reasoning.startswith("The user asks") and parts.content == ""
     assert [c.name for c in parts.tool_calls] == ["get_weather"] and reader.called
     assert GPTOSS.keeps_special_tokens and OPENAI.keeps_special_tokens
+
+
+# --- through the app and the OpenAI SDK (a scripted engine writes the harmony text) -----
+
+HARMONY_CALL = ["<|channel|>analysis<|message|>", "Need the ", "weather.", "<|end|>",
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather ",
+                "<|constrain|>json<|message|>", '{"city": "Pa', 'ris", "unit": "celsius"}']
+HARMONY_ANSWER = ["<|channel|>analysis<|message|>", "The tool said 18 C.", "<|end|>",
+                  "<|start|>assistant<|channel|>final<|message|>", "It is 18 °C ", "in Paris."]
+
+
+def harmony_client(script: list[str]):
+    from tests.api.test_tool_calling import scripted
+
+    return scripted(script, reasoning_parser="openai_gptoss", enable_auto_tool_choice=True,
+                    tool_call_parser="openai")
+
+
+def test_sdk_reads_reasoning_content_and_calls_streamed_and_whole() -> None:
+    from tests.api.test_tool_calling import TOOLS, both
+
+    client = harmony_client(HARMONY_ANSWER)
+    for reading in both(client, tools=TOOLS):
+        assert reading["reasoning"] == "The tool said 18 C."
+        assert reading["content"] == "It is 18 °C in Paris."
+        assert reading["calls"] == [] and reading["reason"] == "stop"
+    # the markers are special tokens: the detokenizer must keep them
+    assert all(not params.skip_special_tokens for _, _, params in client.engine.submitted)
+    client.engine.script = HARMONY_CALL
+    for reading in both(client, tools=TOOLS):
+        assert reading["reasoning"] == "Need the weather."
+        assert reading["content"] == ""
+        assert [(c["name"], json.loads(c["arguments"])) for c in reading["calls"]] == \
+            [("get_weather", {"city": "Paris", "unit": "celsius"})]
+        assert reading["reason"] == "tool_calls"
+
+
+def test_reasoning_parser_alone_keeps_special_tokens_without_tools() -> None:
+    from tests.api.test_tool_calling import scripted
+
+    client = scripted(HARMONY_ANSWER, reasoning_parser="openai_gptoss")
+    reply = client.chat.completions.create(model="fake-model",
+                                           messages=[{"role": "user", "content": "Hi"}])
+    assert reply.choices[0].message.content == "It is 18 °C in Paris."
+    assert not client.engine.submitted[-1][2].skip_special_tokens
+
+
+def test_tool_round_trip_through_the_sdk() -> None:
+    """The call, the tool's answer sent back, the final answer: the history reaches the
+    chat template (arguments as an object) and the answer is split again."""
+    from tests.api.test_tool_calling import ASK, TOOLS
+
+    client = harmony_client(HARMONY_CALL)
+    first = client.chat.completions.create(model="fake-model", messages=ASK, tools=TOOLS)
+    message = first.choices[0].message
+    call = message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    client.engine.script = HARMONY_ANSWER
+    history = [*ASK, message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    final = client.chat.completions.create(model="fake-model", messages=history, tools=TOOLS)
+    assert final.choices[0].message.content == "It is 18 °C in Paris."
+    assert final.choices[0].message.reasoning_content == "The tool said 18 C."
+    seen = client.engine.tokenizer.template_calls[-1]["messages"]
+    assert seen[1]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+    assert seen[2]["content"] == "18 C, sunny"
