@@ -199,3 +199,147 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(tmp_path) -> None:
     hf_model = save_tiny_model(tmp_path / "bf", **CASE)[0]
     _mxfp4_checkpoint(hf_model, tmp_path / "bf", tmp_path / "mx")
     assert_logits_match(str(tmp_path / "mx"), hf_model, prompt_lens=(5, 23), steps=4, block=4)
+
+
+# Over HTTP: the real server, the tiny model with a harmony tokenizer
+
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|return|>", "<|call|>"]
+# modelled on gpt-oss's own template (system and developer messages, tools as a
+# TypeScript-like namespace, calls on commentary to functions.NAME, tool results from
+# functions.NAME), much shortened
+HARMONY_TEMPLATE = """\
+{%- set ns = namespace(last_call="") -%}
+<|start|>system<|message|>You are a tiny test model.
+Reasoning: {{ reasoning_effort | default("medium") }}
+# Valid channels: analysis, commentary, final.<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
+namespace functions {
+{%- for t in tools %}
+// {{ t.function.description }}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{%- endfor %}
+} // namespace functions<|end|>
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == "user" %}<|start|>user<|message|>{{ m.content }}<|end|>
+{%- elif m.role == "system" %}<|start|>developer<|message|>{{ m.content }}<|end|>
+{%- elif m.role == "assistant" and m.tool_calls %}
+{%- for c in m.tool_calls %}{%- set ns.last_call = c.function.name -%}
+<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>\
+{{ c.function.arguments | tojson }}<|call|>
+{%- endfor %}
+{%- elif m.role == "assistant" %}<|start|>assistant<|channel|>final<|message|>\
+{{ m.content }}<|end|>
+{%- elif m.role == "tool" %}<|start|>functions.{{ ns.last_call }} to=assistant\
+<|channel|>commentary<|message|>{{ m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def harmony_folder(tmp_path_factory) -> tuple[Path, torch.nn.Module, object]:
+    """The tiny gpt-oss model with the harmony markers as special tokens (BPE trained to 7
+    fewer tokens, so the vocabulary size stays the model's), the template above and
+    <|return|> / <|call|> as stop tokens (generation_config.json, as released)."""
+    from tests.conftest import build_tokenizer, save_tiny_model
+
+    folder = tmp_path_factory.mktemp("gpt-oss-harmony")
+    hf_model = save_tiny_model(folder, **CASE)[0]
+    tokenizer = build_tokenizer(hf_model.config.vocab_size - len(HARMONY_TOKENS))
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    assert len(tokenizer) == hf_model.config.vocab_size
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    ids = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    return folder, hf_model, tokenizer
+
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.slow  # a server process
+def test_served_over_http_with_the_harmony_parsers(harmony_folder) -> None:
+    """The real server: a greedy completion equals transformers'; a chat answer of the
+    random model (pushed towards the harmony markers) is read into reasoning / content /
+    tool calls as the parsers read its raw tokens, streamed and whole alike; a tool round
+    trip through the SDK reaches the template as transformers renders it."""
+    import httpx
+    import openai
+
+    from server.api.reasoning_parsers import get_reasoning_parser
+    from server.api.tool_parsers import get_tool_parser
+    from tests.server_process import MODEL_NAME, TINY_FLAGS, start_server
+
+    folder, hf_model, tokenizer = harmony_folder
+    server = start_server(str(folder), *TINY_FLAGS, "--reasoning-parser", "openai_gptoss",
+                          "--enable-auto-tool-choice", "--tool-call-parser", "openai")
+    try:
+        prompt = _prompts(hf_model, (11,))[0]
+        resp = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True})
+        assert resp.json()["choices"][0]["text"] == \
+            tokenizer.decode(hf_greedy(hf_model, prompt, 12), skip_special_tokens=True)
+
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        # seeded sampling (greedy repeats one token), the markers made likelier
+        markers = {str(i): 3.0 for i in tokenizer.convert_tokens_to_ids(
+            ["<|channel|>", "<|message|>", "<|end|>"])}
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        fields = dict(model=MODEL_NAME, messages=ask, tools=[TOOL], temperature=1.0, seed=7,
+                      max_tokens=48, logit_bias=markers, extra_body={"return_token_ids": True})
+        whole = client.chat.completions.create(**fields)
+        raw = tokenizer.decode(whole.choices[0].token_ids, skip_special_tokens=False)
+        assert "<|channel|>" in raw and "<|message|>" in raw, raw  # markup to read
+        reasoning, answer = get_reasoning_parser("openai_gptoss")().split(raw)
+        found = get_tool_parser("openai")().extract(answer or "")
+        message = whole.choices[0].message
+        got = (message.reasoning_content, message.content,
+               [(c.function.name, c.function.arguments) for c in message.tool_calls or []],
+               whole.choices[0].finish_reason)
+        assert got[:3] == (reasoning, found.content,
+                           [(c.name, c.arguments) for c in found.tool_calls])
+        assert _streamed(client.chat.completions.create(stream=True, **fields)) == got
+
+        # the tool round trip: a call, its result, through the SDK into the template
+        history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+        final = client.chat.completions.create(model=MODEL_NAME, messages=history,
+                                               tools=[TOOL], max_tokens=8, temperature=0)
+        assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        rendered = httpx.post(server.base_url + "/tokenize", timeout=60, json={
+            "model": MODEL_NAME, "messages": history, "tools": [TOOL]}).json()["tokens"]
+        reference_history = [*history]
+        reference_history[1] = {**history[1], "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+        expected = tokenizer.apply_chat_template(reference_history, tools=[TOOL],
+                                                 add_generation_prompt=True, tokenize=False)
+        assert 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}' \
+            in expected and "<|start|>functions.get_weather to=assistant" in expected
+        assert rendered == tokenizer.encode(expected, add_special_tokens=False)
+        assert final.usage.prompt_tokens == len(rendered)
+    finally:
+        server.stop()
+
+
+def _streamed(stream) -> tuple:
+    """An SDK stream folded into (reasoning, content, [(name, arguments)], finish)."""
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                name, args = calls.get(call.index, (call.function.name, ""))
+                calls[call.index] = (name, args + (call.function.arguments or ""))
+            finish = choice.finish_reason or finish
+    return reasoning or None, content or None, [calls[i] for i in sorted(calls)], finish
