@@ -113,3 +113,36 @@ def test_paged_prefill_with_sinks(window: int | None) -> None:
                                    contexts[row] + t, window, sinks)
             torch.testing.assert_close(out[row, t], ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_verify_step_with_sinks(window: int | None) -> None:
+    """A speculative verify step (each row's last token and its drafts, rows with fewer
+    drafts padded): query t of a row at position first + t sees keys up to it."""
+    from server.engine.worker.input_builder import InputBuilder
+    from server.hpu.attention import flat_paged_verify_attention
+
+    torch.manual_seed(8)
+    lens, drafts = [3, 9, 14], [[5, 6], [], [7]]
+    # blocks for the drafts' positions too, then the sequences as they stand before them
+    bm, seqs, (k_cache, v_cache), (k_rows, v_rows) = scattered_cache(
+        [n + len(d) for n, d in zip(lens, drafts)])
+    for seq, n in zip(seqs, lens):
+        del seq.prompt_token_ids[n:]
+    q = 1 + max(len(d) for d in drafts)
+    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32, 4096,
+                           DecodeLayout.FLAT)
+    blocks = sum(len(s.block_table) for s in seqs)
+    inputs = builder.verify(seqs, drafts, pad_to=(len(seqs) + 1, q, blocks + 2))
+    query = torch.randn((len(seqs) + 1) * q, HKV * GROUPS, D) * 3
+    sinks = random_sinks()
+    out = flat_paged_verify_attention(query, k_cache, v_cache, inputs.meta, SCALE, None,
+                                      window, sinks)
+    for row, (seq, extra) in enumerate(zip(seqs, drafts)):
+        slots = [seq.block_table[t // BLOCK] * BLOCK + t % BLOCK
+                 for t in range(seq.num_tokens + len(extra))]
+        for t in range(1 + len(extra)):
+            ref = naive_with_sinks(query[row * q + t], k_rows[slots], v_rows[slots],
+                                   seq.num_tokens - 1 + t, window, sinks)
+            torch.testing.assert_close(out[row * q + t], ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
