@@ -223,8 +223,9 @@ def _with_tool_constraint(ctx: ServingContext, params: SamplingParams, plan: Too
         constraint = constraint.model_copy(update={"start_after": reasoning.end})
     if constraint is not params.structured_outputs:
         update["structured_outputs"] = constraint
-    if plan.mode == "auto" and plan.parser is not None and plan.parser.keeps_special_tokens:
-        update["skip_special_tokens"] = False  # the call markers may be special tokens
+    if (plan.mode == "auto" and plan.parser is not None and plan.parser.keeps_special_tokens) \
+            or (reasoning is not None and reasoning.keeps_special_tokens):
+        update["skip_special_tokens"] = False  # the markers may be special tokens
     return params.model_copy(update=update) if update else params
 
 

@@ -15,6 +15,12 @@ Sliding windows (``window``, per layer) follow transformers' rule: the query at 
 sees keys at positions k with ``p - window < k <= p``, ``window`` keys itself included. They
 are masks over the same static shapes: nothing is skipped, so a windowed layer costs what a
 global one does (plus the mask), and the layers without a window build no mask at all.
+
+Attention sinks (``sinks``, gpt-oss): one learned logit per query head that joins every
+softmax's denominator and contributes no value, so a query may attend to "nothing". Every
+path takes them as an optional ``[Hq]`` float tensor (None: no sink): the dense paths add
+the sink as one extra score column and drop it after the softmax, the flat decode paths
+start each row's running max at the sink and add ``exp(sink - max)`` to its sum.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ def window_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int |
 def prompt_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
     softcap: float | None = None, window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a right-padded ``[bs, q]`` batch with no prior context.
 
@@ -118,7 +125,7 @@ def prompt_attention(
     if window is not None and window < q_len:  # else the window covers every prompt here
         pos = torch.arange(q_len, device=q.device)
         mask = window_visible(pos.view(-1, 1), pos.view(1, -1), window)
-    if softcap is None:
+    if softcap is None and sinks is None:
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
@@ -128,19 +135,29 @@ def prompt_attention(
             bias = bias.masked_fill(~mask, float("-inf"))
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
         return out.transpose(1, 2)
-    # Gemma 2's soft-capped scores, cap * tanh(s / cap): no fused kernel takes them
+    # Gemma 2's soft-capped scores, cap * tanh(s / cap), and sinks: no fused kernel takes them
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(q_len, q_len, dtype=torch.bool, device=scores.device).tril()
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    probs = _softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks)
     return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores [bs, Hq, q, L]`` (masked slots -inf),
+    each head's sink logit joining the denominator (an extra column, dropped after)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def paged_prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, softcap: float | None = None,
-    window: int | None = None,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill queries ``[bs, q, Hq, D]`` after a cached prefix: each row attends to its
     whole sequence in the cache (the prefix, and its own keys written just before), causally
@@ -171,12 +188,13 @@ def paged_prefill_attention(
     query_pos = torch.minimum(query_pos, meta.total_lens.view(bs, 1) - 1)
     visible = (window_visible(query_pos.unsqueeze(-1), key_pos.view(1, 1, -1), window)
                & (key_pos.view(1, 1, -1) < meta.total_lens.view(bs, 1, 1))).unsqueeze(1)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
         return out.transpose(1, 2)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [bs, Hq, q, L]
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = _softmax_with_sinks(scores.masked_fill(~visible, float("-inf")), sinks)
     return torch.matmul(probs.to(values.dtype), values).transpose(1, 2)
 
 
@@ -211,6 +229,7 @@ def flat_paged_attention(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row attending over its blocks. query ``[bs, Hq, D]`` -> ``[bs,
     Hq, Dv]`` (Dv, the values' size: D but in multi-head latent attention's reference path).
@@ -250,10 +269,9 @@ def flat_paged_attention(
     scores = scores + bias.view(num_blocks, 1, 1, block_size)
     block_max = scores.amax(dim=-1)  # [N, Hkv, G]
 
-    # Sequence-wide max per (row, head): scatter amax into bs+1 rows (pad blocks -> row bs).
-    seq_max = torch.full(
-        (bs + 1, num_kv_heads, groups), float("-inf"), dtype=scores.dtype, device=scores.device
-    )
+    # Sequence-wide max per (row, head): scatter amax into bs+1 rows (pad blocks -> row bs);
+    # a row's sink (if any) is where its max starts.
+    seq_max = _initial_max((bs + 1, num_kv_heads, groups), sinks, scores)
     index = meta.block_groups.view(-1, 1, 1).expand(-1, num_kv_heads, groups)
     seq_max = seq_max.scatter_reduce(0, index, block_max, reduce="amax", include_self=True)
     block_seq_max = seq_max.index_select(0, meta.block_groups)  # [N, Hkv, G]
@@ -266,6 +284,8 @@ def flat_paged_attention(
 
     mapping = meta.block_mapping
     seq_sum = mapping.t().float() @ block_sum.view(num_blocks, -1)  # [bs, Hkv*G]
+    if sinks is not None:
+        seq_sum = seq_sum + torch.exp(sinks.float().view(1, -1) - seq_max[:bs].view(bs, -1))
     out = mapping.t() @ out_blk.reshape(num_blocks, -1)  # block2batch: [bs, Hkv*G*Dv]
     out = out.view(bs, num_kv_heads * groups, value_dim).float()
     # Pad rows have no blocks: guard their zero sum instead of dividing by it.
@@ -281,6 +301,7 @@ def flat_paged_verify_attention(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flat paged attention with ``q`` query tokens per row (a speculative verify step:
     the last accepted token and the drafts after it). query ``[bs * q, Hq, D]`` -> same.
@@ -322,8 +343,7 @@ def flat_paged_verify_attention(
         bias = bias.masked_fill(distance <= -window, _MASKED)
     scores = scores + bias.view(num_blocks, 1, q_len, 1, block_size)
     block_max = scores.amax(dim=-1)  # [N, Hkv, q, G]
-    seq_max = torch.full((bs + 1, num_kv_heads, q_len, groups), float("-inf"),
-                         dtype=scores.dtype, device=scores.device)
+    seq_max = _initial_max((bs + 1, num_kv_heads, q_len, groups), sinks, scores)
     index = meta.block_groups.view(-1, 1, 1, 1).expand_as(block_max)
     seq_max = seq_max.scatter_reduce(0, index, block_max, reduce="amax", include_self=True)
     block_seq_max = seq_max.index_select(0, meta.block_groups)
@@ -333,7 +353,21 @@ def flat_paged_verify_attention(
                                                        block_size), values)
     mapping = meta.block_mapping
     seq_sum = mapping.t().float() @ block_sum.reshape(num_blocks, -1)  # [bs, Hkv*q*G]
+    if sinks is not None:
+        sink = sinks.float().view(1, num_kv_heads, 1, groups)
+        seq_sum = seq_sum + torch.exp(sink - seq_max[:bs]).view(bs, -1)
     out = (mapping.t() @ out_blk.reshape(num_blocks, -1)).float()  # [bs, Hkv*q*G*D]
     out = out.view(bs, num_kv_heads, q_len, groups, value_dim)
     out = out / seq_sum.clamp_min(1e-30).view(bs, num_kv_heads, q_len, groups, 1)
     return out.permute(0, 2, 1, 3, 4).reshape(tokens, num_q_heads, value_dim).to(query.dtype)
+
+
+def _initial_max(shape: tuple[int, ...], sinks: torch.Tensor | None, scores: torch.Tensor
+                 ) -> torch.Tensor:
+    """The running max each (row, kv head, [query,] group) starts from: -inf, or the query
+    head's sink (``[Hq]``, head ``kv * G + g``), so that the sink's term exp(sink - max)
+    never overflows."""
+    if sinks is None:
+        return torch.full(shape, float("-inf"), dtype=scores.dtype, device=scores.device)
+    heads = sinks.float().view(shape[1], *([1] * (len(shape) - 3)), shape[-1])
+    return heads.expand(shape).contiguous()

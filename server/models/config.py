@@ -86,6 +86,13 @@ class ModelConfig:
     # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's
     # num_nextn_predict_layers): the loader skips their tensors, saying so
     mtp_layers: int = 0
+    # gpt-oss (server/models/gpt_oss.py): a learned sink logit per attention head; biases on
+    # the router and on every expert's projections; the experts' clamped SwiGLU,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+    attn_sinks: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -106,6 +113,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
         gemma = _gemma_settings(hf) if arch.gemma else {}
+        gpt_oss = _gpt_oss_settings(hf) if arch.gpt_oss else {}
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -142,6 +150,7 @@ class ModelConfig:
         fields.update(gemma)  # Gemma's readings replace the Llama ones
         if arch.mla:
             fields.update(deepseek_settings(hf, model_type == "deepseek_v3", rope_scaling))
+        fields.update(gpt_oss)
         return cls(**fields)
 
     def layer_window(self, index: int) -> int | None:
@@ -214,6 +223,15 @@ def _gemma_settings(hf: Any) -> dict[str, Any]:
         norm_offset=1.0,
         embedding_multiplier_in_dtype=True,
     )
+
+
+def _gpt_oss_settings(hf: Any) -> dict[str, Any]:
+    """gpt-oss's departures: sinks, biased router and experts, the clamped SwiGLU. Its
+    router takes the softmax of the top-k logits, which is the renormalised top-k of the
+    full softmax (the registry entry sets moe_renormalize)."""
+    return dict(attn_sinks=True, moe_bias=True,
+                swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
+                swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)))
 
 
 def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:

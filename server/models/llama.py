@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, Granite, Phi-3,
-Gemma 2/3; Mixtral and Qwen3-MoE with the experts of moe.py) over a paged KV cache;
+Gemma 2/3; Mixtral, Qwen3-MoE and gpt-oss with the experts of moe.py) over a paged KV cache;
 server/models/registry.py lists the families and what each changes."""
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.softcap = cfg.attn_softcap  # Gemma 2
         self.window = cfg.layer_window(index)  # sliding-window layers (Mistral, Gemma 2/3)
+        # gpt-oss: a learned logit per query head in every softmax's denominator
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attn_sinks else None
         self.ops: TorchLayerOps = _TORCH_OPS
         self.lora: LayerLoRA | None = None  # --enable-lora: the layer's adapter slots
 
@@ -60,10 +62,10 @@ class Attention(nn.Module):
                                                      self.num_kv_heads)
         if meta.is_prompt:
             out = self.ops.prompt_attention(query, key, value, kv_cache, meta, bs, self.scale,
-                                            self.softcap, self.window)
+                                            self.softcap, self.window, sinks=self.sinks)
         else:
             out = self.ops.decode_attention(query, kv_cache, meta, self.scale, self.softcap,
-                                            self.window)
+                                            self.window, sinks=self.sinks)
         out = out.reshape(bs, q_len, self.q_size)
         if self.lora is None:
             return self.o_proj(out)

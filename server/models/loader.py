@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from server.models.gguf import (
     read_int4_weights,
     tensor_types,
 )
+from server.models.gpt_oss import gpt_oss_tensors
 from server.models.llama import LlamaForCausalLM
 from server.models.quantized import dequantized
 from server.models.safetensors_files import (
@@ -159,14 +161,14 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if plan is not None and reader is None and cfg.quant is None:
+    if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
         tensors = plan.read(safetensors_slices(Path(source.folder)))  # the rank's bytes only
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
                    else safetensors_tensors(Path(source.folder)))
-        if cfg.quant is not None:
-            tensors = dequantized(tensors, cfg.quant)
-        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes)
+        tensors = _canonical(tensors, cfg)
+        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
+            # gpt-oss's interleaved experts)
             tensors = plan.shard(tensors)
     load_into(model, tensors, _origin(source))
     model.eval()
@@ -223,9 +225,18 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
                    else safetensors_shapes(Path(source.folder), origin.names))
-        if cfg.quant is not None:
-            tensors = dequantized(tensors, cfg.quant)
-        load_into(model, tensors, origin, dry_run=True)
+        load_into(model, _canonical(tensors, cfg), origin, dry_run=True)
+
+
+def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole checkpoint tensors as the loader names and lays them out: quantized layers
+    dequantized, gpt-oss's router and experts mapped (gpt_oss.py)."""
+    if cfg.quant is not None:
+        tensors = dequantized(tensors, cfg.quant)
+    if cfg.model_type == "gpt_oss":
+        tensors = gpt_oss_tensors(tensors, dequantized=cfg.quant is not None)
+    return tensors
 
 
 def _origin(source: ModelSource) -> TensorOrigin:
@@ -248,5 +259,6 @@ def _quant_summary(cfg: ModelConfig) -> str:
     what = {"gptq": f"GPTQ int{q.bits} (group {q.group_size})",
             "awq": f"AWQ int{q.bits} (group {q.group_size})",
             "fp8": f"FP8 (block scales {q.block[0]}x{q.block[1]})",
-            "compressed-tensors": "FP8 (compressed-tensors)"}[q.method]
+            "compressed-tensors": "FP8 (compressed-tensors)",
+            "mxfp4": "MXFP4 experts"}[q.method]
     return f"; {what} weights dequantized at load (no kernel for them on this path)"

@@ -33,6 +33,10 @@ class Architecture:
     # DeepSeek-V2 / V3: multi-head latent attention (server/models/mla.py), whose KV cache
     # holds a compressed latent; routed plus shared experts, grouped top-k routing
     mla: bool = False
+    # gpt-oss: attention sinks, biased router and experts with a clamped SwiGLU, MXFP4
+    # experts in its checkpoints (server/models/gpt_oss.py); layer_types window every other
+    # layer
+    gpt_oss: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -58,6 +62,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # tensors the gguf reader here does not map (yet)
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", None, moe=True, mla=True),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", None, moe=True, mla=True),
+    # no GGUF: the installed gguf package cannot write its MXFP4 tensors (see docs/models.md)
+    Architecture("GptOssForCausalLM", "gpt_oss", None, moe=True, moe_renormalize=True,
+                 gguf_permuted_qk=False, gpt_oss=True),
 )}
 
 

@@ -159,6 +159,13 @@ class ShardPlan:
             return Cut(1, ((r * moe, moe), (half + r * moe, moe)))
         if _STACKED_DOWN.search(name):  # [E, H, I]
             return Cut(2, ((r * moe, moe),))
+        if _EXPERT_GATE_UP_BIAS.search(name):  # gpt-oss [E, 2I]: gate then up (gpt_oss.py)
+            half = shape[1] // 2
+            return Cut(1, ((r * moe, moe), (half + r * moe, moe)))
+        if _EXPERT_DOWN_BIAS.search(name):  # summed by the all-reduce: rank 0 only
+            return Cut(zero=r != 0)
+        if _SINKS.search(name):  # one per query head
+            return Cut(0, ((r * self.q_heads, self.q_heads),))
         if _Q.search(name):
             return Cut(0, (q_rows,))
         if _KV.search(name):
@@ -273,6 +280,9 @@ _EXPERT_IN = re.compile(r"\.experts\.\d+\.(w1|w3|gate_proj|up_proj)\.weight$")
 _EXPERT_OUT = re.compile(r"\.experts\.\d+\.(w2|down_proj)\.weight$")
 _STACKED_GATE_UP = re.compile(r"\.experts\.gate_up_proj(\.weight)?$")
 _STACKED_DOWN = re.compile(r"\.experts\.down_proj(\.weight)?$")
+_EXPERT_GATE_UP_BIAS = re.compile(r"\.mlp\.b_gate_up$")
+_EXPERT_DOWN_BIAS = re.compile(r"\.mlp\.b_down$")
+_SINKS = re.compile(r"\.self_attn\.sinks$")
 _Q = re.compile(r"\.q_proj\.(weight|bias)$")
 _KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 _FUSED_QKV = re.compile(r"\.qkv_proj\.(weight|bias)$")

@@ -14,6 +14,8 @@
 //   [len - window, len), transformers' rule; blocks wholly before it are not read at all,
 //   so a windowed layer costs O(window), not O(len);
 // - soft-capped scores (Gemma 2): cap * tanh(s / cap) before the softmax;
+// - attention sinks (gpt-oss): a learned logit per query head that joins the softmax's
+//   denominator and adds no value; it enters once, when a row's output is normalised;
 // - the cache dtype C: the query's dtype T, or fp8 e4m3 widened to fp32 as it is loaded.
 //
 // The templates live here; paged_attention.cpp instantiates the caches in the model's
@@ -34,7 +36,22 @@ struct AttentionArgs {
   float scale;
   int64_t window;  // 0: none
   float softcap;   // 0: none
+  const float* sinks = nullptr;  // [query heads] fp32 sink logits; nullptr: none
 };
+
+// 1 / the softmax denominator of query head g: the running sum (relative to run_max), plus
+// the head's sink exp(sink - run_max) when there are sinks. An empty row (run_max -inf)
+// gets 0, so its output is zeros, not NaN.
+inline float softmax_inv(float run_sum, float run_max, const float* sinks, int64_t g) {
+  float denom = run_sum;
+  if (sinks != nullptr) denom += std::exp(sinks[g] - run_max);
+  return denom > 0.f && std::isfinite(denom) ? 1.f / denom : 0.f;
+}
+
+// The sinks of kv head h's G query heads (nullptr: none).
+inline const float* head_sinks(const float* sinks, int64_t h, int64_t groups) {
+  return sinks == nullptr ? nullptr : sinks + h * groups;
+}
 
 // The first key position a row with `len` tokens sees (its query is the last of them).
 inline int64_t first_visible(int64_t len, int64_t window) {
@@ -116,10 +133,10 @@ struct GenericHead {
     }
   }
 
-  void finish(T* out) {
+  void finish(T* out, const float* sinks) {
     for (int64_t g = 0; g < groups; ++g) {
       // An empty sequence (never scheduled, but cheap to guard) yields zeros, not NaN.
-      const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+      const float inv = softmax_inv(run_sum[g], run_max[g], sinks, g);
       for (int64_t d = 0; d < dim; ++d) store(out + g * dim, d, acc[g * dim + d] * inv);
     }
   }
@@ -175,9 +192,9 @@ struct FastHead {
     }
   }
 
-  void finish(T* out) {
+  void finish(T* out, const float* sinks) {
     for (int g = 0; g < G; ++g) {
-      const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+      const float inv = softmax_inv(run_sum[g], run_max[g], sinks, g);
 #pragma omp simd
       for (int d = 0; d < DIM; ++d) store(out + g * DIM, d, acc[g][d] * inv);
     }
@@ -268,10 +285,10 @@ struct FastTokens {
     }
   }
 
-  void finish(T* const* outs) {
+  void finish(T* const* outs, const float* sinks) {
     for (int t = 0; t < rows; ++t) {
       for (int g = 0; g < G; ++g) {
-        const float inv = run_sum[t][g] > 0.f ? 1.f / run_sum[t][g] : 0.f;
+        const float inv = softmax_inv(run_sum[t][g], run_max[t][g], sinks, g);
 #pragma omp simd
         for (int d = 0; d < DIM; ++d) store(outs[t] + g * DIM, d, acc[t][g][d] * inv);
       }
@@ -362,7 +379,7 @@ bool prompt_attention_impl(const AttentionArgs& a) {
                        head_offset, block_elems, [&](int64_t offset, int64_t l, int64_t m) {
                          lone.block_step(kc + offset, vc + offset, l, m, softcap);
                        });
-        lone.finish(op + (first * num_heads + h * G) * DIM);
+        lone.finish(op + (first * num_heads + h * G) * DIM, head_sinks(a.sinks, h, G));
         continue;
       }
       for (int t = 0; t < count; ++t) {
@@ -385,7 +402,7 @@ bool prompt_attention_impl(const AttentionArgs& a) {
         const int64_t offset = blk * block_elems + head_offset;
         heads.block_step(kc + offset, vc + offset, lo, n, softcap);
       }
-      heads.finish(outs);
+      heads.finish(outs, head_sinks(a.sinks, h, G));
     }
   });
   return true;
@@ -465,7 +482,8 @@ void decode_attention_impl(const AttentionArgs& a) {
           }
         }
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          heads[h].finish(op + (r * num_heads + h * groups) * dim);
+          heads[h].finish(op + (r * num_heads + h * groups) * dim,
+                          head_sinks(a.sinks, h, groups));
         }
       }
     });
@@ -492,7 +510,7 @@ void decode_attention_impl(const AttentionArgs& a) {
         head.block_step(kc + offset, vc + offset, std::max<int64_t>(from - start, 0),
                         std::min(block, len - start), softcap);
       }
-      head.finish(op + (r * num_heads + h * groups) * dim);
+      head.finish(op + (r * num_heads + h * groups) * dim, head_sinks(a.sinks, h, groups));
     }
   });
 }
