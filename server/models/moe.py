@@ -21,6 +21,10 @@ weight once: the fewest, largest kernels, and the cheapest choice while ``E / k`
 or the batch has enough rows that a weight read is compute-bound anyway (prefill), but it
 spends ``E / k`` times the useful FLOPs (Mixtral 8 / 2: 4x; Qwen3-30B-A3B 128 / 8: 16x).
 
+Llama 4 weights each expert's *input* instead (``expert(w * x)``, not ``w * expert(x)``):
+``scale_inputs``. Its experts have no biases, so that is ``w`` times the gate and up
+projections, applied before the activation where the other families scale after it.
+
 ``grouped``: the ``T * k`` (token, expert) assignments sorted by expert into blocks of
 ``M`` rows, each expert's rows padded to whole blocks (at most ``T * k + min(E, T * k) *
 (M - 1)`` rows, a static bound), one expert per block; each block's expert weights are
@@ -74,21 +78,26 @@ def expert_plan(tokens: int, top_k: int, num_experts: int) -> int:
 
 
 def dense_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor, ops: TorchLayerOps,
+                  scale_inputs: bool = False) -> torch.Tensor:
     """x ``[T, H]``, routing ``weights``/``ids`` ``[T, k]`` -> ``[T, H]``: all experts."""
     tokens, hidden = x.shape
     num_experts, inter2, _ = w_gate_up.shape
     gate_up = F.linear(x, w_gate_up.view(num_experts * inter2, hidden))  # [T, E * 2I]
-    act = ops.silu_and_mul(gate_up.view(tokens, num_experts, inter2))  # [T, E, I]
+    gate_up = gate_up.view(tokens, num_experts, inter2)
     dense_weights = torch.zeros(tokens, num_experts, dtype=x.dtype, device=x.device)
     dense_weights.scatter_(1, ids, weights)  # [T, E], zero where an expert was not picked
+    if scale_inputs:  # silu(0) * 0 = 0: the experts not picked still add nothing
+        return ops.silu_and_mul(gate_up * dense_weights.unsqueeze(-1)).view(tokens, -1) \
+            @ w_down.view(-1, hidden)
+    act = ops.silu_and_mul(gate_up)  # [T, E, I]
     act = act * dense_weights.unsqueeze(-1)
     return act.view(tokens, -1) @ w_down.view(-1, hidden)  # sums over experts too
 
 
 def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                     weights: torch.Tensor, ids: torch.Tensor, ops: TorchLayerOps,
-                    block: int) -> torch.Tensor:
+                    block: int, scale_inputs: bool = False) -> torch.Tensor:
     """x ``[T, H]``, routing ``weights``/``ids`` ``[T, k]`` -> ``[T, H]``: the picked
     experts only, in blocks of ``block`` rows of one expert each."""
     tokens, hidden = x.shape
@@ -111,7 +120,9 @@ def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
         row_weights = row_weights.view(num_blocks, block, 1)
     gate_up = torch.bmm(xs.view(num_blocks, block, hidden),
                         w_gate_up.index_select(0, block_expert).transpose(1, 2))
-    act = ops.silu_and_mul(gate_up) * row_weights  # padding rows: zero in, zero weight
+    # padding rows: zero in, zero weight
+    act = (ops.silu_and_mul(gate_up * row_weights) if scale_inputs
+           else ops.silu_and_mul(gate_up) * row_weights)
     out = torch.bmm(act, w_down.index_select(0, block_expert))  # [blocks, M, H]
     out = out.view(-1, hidden)
     if rows is not None:

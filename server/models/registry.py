@@ -30,6 +30,13 @@ class Architecture:
     # Gemma 2 / 3: (1 + w) norms, a norm after each sublayer too, GeGLU, embeddings scaled
     # by sqrt(hidden), soft-capped attention scores and logits where the config sets caps
     gemma: bool = False
+    # Llama 4 (server/models/llama4.py): chunked local attention in the RoPE layers, layers
+    # without RoPE (their queries temperature-tuned by position), weightless L2 q/k norms,
+    # MoE layers with a shared expert and sigmoid routing, interleaved with dense MLPs
+    llama4: bool = False
+    # a conditional-generation checkpoint served as its text model: the config's
+    # text_config, the weights under language_model. (the vision tower is ignored)
+    text_part: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -51,6 +58,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
                  gguf_permuted_qk=False),
+    Architecture("Llama4ForCausalLM", "llama4_text", None, moe=True, llama4=True),
+    Architecture("Llama4ForConditionalGeneration", "llama4", None, moe=True, llama4=True,
+                 text_part=True),
 )}
 
 

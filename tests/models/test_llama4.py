@@ -1,0 +1,133 @@
+"""Llama 4 text (Llama4ForCausalLM, and the language model of Llama4ForConditionalGeneration)
+against transformers on the same tiny random weights: logits at every prefill and decode step
+and greedy tokens through the engine, on prompts spanning several KV blocks and 8-token
+attention chunks, decoding past chunk boundaries; each departure (chunks, NoPE temperature,
+L2 q/k norms, interleaved RoPE, input-scaled sigmoid experts) shown to matter."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_llama import assert_logits_match
+from test_sliding_window import hf_greedy
+
+from server import LLM, SamplingParams
+
+CHUNK = 8
+# prefilled together as one padded batch, then decoded 14 steps: up to 55 tokens, 7 chunks
+LONG_PROMPTS = (5, 23, 41, 12)
+STEPS = 14
+KINDS = ["llama4_text", "llama4"]  # Llama4ForCausalLM, Llama4ForConditionalGeneration
+
+
+def tiny(factory, kind: str = "llama4_text") -> tuple:
+    """(folder, reference, tokenizer); the conditional-generation model's reference is its
+    language model (what its forward runs for text alone), on the saved weights."""
+    folder, hf_model, tokenizer = factory(model_type=kind, tie=False, num_kv_heads=2)
+    if kind == "llama4":
+        hf_model = hf_model.language_model
+    return folder, hf_model, tokenizer
+
+
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers_across_chunks(tiny_model_factory, kind: str,
+                                                 block: int) -> None:
+    folder, hf_model = tiny(tiny_model_factory, kind)[:2]
+    assert_logits_match(folder, hf_model, prompt_lens=LONG_PROMPTS, steps=STEPS, block=block)
+
+
+def _unchunk(model: torch.nn.Module) -> None:
+    for layer in model.layers:
+        layer.self_attn.chunk = None
+
+
+def _untune(model: torch.nn.Module) -> None:
+    for layer in model.layers:
+        layer.self_attn.tuned = False
+
+
+def _unnorm(model: torch.nn.Module) -> None:
+    for layer in model.layers:
+        layer.self_attn.l2_norm = False
+
+
+def _output_scaled_experts(model: torch.nn.Module) -> None:
+    """Mixtral's convention (weights scale the experts' outputs) in place of Llama 4's."""
+    from server.models.llama4 import Llama4MoeBlock
+    from server.models.moe import dense_experts
+
+    def forward(self: Llama4MoeBlock, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.route(flat)
+        out = dense_experts(flat, self.w_gate_up, self.w_down, weights, ids, self.ops)
+        return (self.shared_expert(flat) + out).view(x.shape)
+
+    for layer in model.layers:
+        if isinstance(layer.mlp, Llama4MoeBlock):
+            layer.mlp.forward = forward.__get__(layer.mlp)
+
+
+@pytest.mark.parametrize("breaks", [_unchunk, _untune, _unnorm, _output_scaled_experts],
+                         ids=["no-chunks", "no-temperature", "no-qk-norm", "output-scaling"])
+def test_each_departure_changes_these_logits(tiny_model_factory, breaks) -> None:
+    """Without any one of them the logits no longer match: the sequences are long enough
+    for chunks and temperature steps to matter, and transformers does apply each."""
+    folder, hf_model = tiny(tiny_model_factory)[:2]
+    with pytest.raises(AssertionError):
+        assert_logits_match(folder, hf_model, breaks, prompt_lens=LONG_PROMPTS, steps=STEPS,
+                            block=4)
+
+
+def test_layers_as_configured_and_vision_tower_ignored(tiny_model_factory, caplog) -> None:
+    from server.models.llama import MLP
+    from server.models.llama4 import Llama4MoeBlock
+    from server.models.loader import load_model, resolve_model_source
+
+    folder = tiny(tiny_model_factory, "llama4")[0]
+    with caplog.at_level(logging.INFO, logger="server.models.loader"):
+        model = load_model(resolve_model_source(folder), "float32", torch.device("cpu")).model
+    attn = [layer.self_attn for layer in model.layers]
+    assert [a.chunk for a in attn] == [CHUNK, CHUNK, CHUNK, None]
+    assert [a.rotates for a in attn] == [True, True, True, False]
+    assert [a.l2_norm for a in attn] == [True, True, True, False]
+    assert [a.tuned for a in attn] == [False, False, False, True]
+    assert [type(layer.mlp) for layer in model.layers] == [MLP, Llama4MoeBlock] * 2
+    assert model.layers[0].mlp.intermediate_size == 96  # intermediate_size_mlp
+    assert model.layers[1].mlp.shared_expert.intermediate_size == 32
+    assert "ignored" in caplog.text and "vision_model" in caplog.text
+    model.serve_context(CHUNK)  # a chunk no sequence can outgrow masks nothing
+    assert [a.chunk for a in attn] == [None] * 4
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch-ops", "fused-cpu"])
+def test_greedy_tokens_match_transformers_with_prefix_caching(tiny_model_factory,
+                                                              kernels: bool) -> None:
+    """Engine end to end, 4-token blocks, prompts over several chunks, then one continuing
+    the first so that its prefill starts after cached blocks (chunked paged prefill); on
+    the PyTorch ops and on the fused CPU kernels (which mask chunks themselves)."""
+    from server.hpu.cpu.kernels import kernels_available
+
+    folder, hf_model = tiny(tiny_model_factory)[:2]
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=4,
+              enable_prefix_caching=True,
+              environ={"HPU_SERVE_CPU_KERNELS": "1" if kernels else "0"})
+    attn = llm.engine.runner.model.layers[0].self_attn
+    if kernels:
+        if not kernels_available():
+            pytest.skip("the fused CPU kernels are not built here")
+        assert attn.ops.name == "fused-cpu"
+    assert attn.chunk == CHUNK
+    gen = torch.Generator().manual_seed(5)
+    vocab = hf_model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (30, 9, 45)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for prompt, got in zip(prompts, outputs):
+        assert got == hf_greedy(hf_model, prompt, 20)
+    follow_up = prompts[0] + outputs[0] + prompts[1][:5]
+    got = llm.generate([follow_up], params)[0].outputs[0].token_ids
+    assert llm.engine.stats().prefix_cache_hits >= 40
+    assert got == hf_greedy(hf_model, follow_up, 20)
