@@ -131,3 +131,67 @@ def test_greedy_tokens_match_transformers_with_prefix_caching(tiny_model_factory
     got = llm.generate([follow_up], params)[0].outputs[0].token_ids
     assert llm.engine.stats().prefix_cache_hits >= 40
     assert got == hf_greedy(hf_model, follow_up, 20)
+
+
+class RecordingSampler:
+    """The engine's sampler, keeping each step's logits."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001 - server.engine.worker.sampler.Sampler
+        self.inner = inner
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, t):  # noqa: ANN001, ANN204
+        self.logits.append(logits.detach().float().clone())
+        return self.inner(logits, t)
+
+
+def assert_engine_matches_transformers(llm: LLM, hf_model: torch.nn.Module,
+                                       prompt_lens: tuple[int, ...], new_tokens: int) -> None:
+    """One prompt at a time: greedy tokens equal transformers', and the logits of every
+    step (the prefill's last token, then each decode) equal its forward over the whole
+    sequence at that position."""
+    recorder = RecordingSampler(llm.engine.runner.sampler)
+    llm.engine.runner.sampler = recorder
+    gen = torch.Generator().manual_seed(7)
+    vocab = hf_model.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for n in prompt_lens:
+        prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        recorder.logits.clear()
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+        assert got == hf_greedy(hf_model, prompt, new_tokens)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt + got])).logits[0].float()
+        assert len(recorder.logits) == new_tokens
+        for step, logits in enumerate(recorder.logits):
+            torch.testing.assert_close(logits[0], ref[n - 1 + step], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # a compiled whole-model run
+def test_compiled_graphs_match_transformers_with_no_serving_compilation(tiny_model_factory,
+                                                                        tmp_path) -> None:
+    """torch.compile per bucket (static shapes, pad rows and pad blocks in every step):
+    the chunk masks, NoPE temperatures and routed experts replay without recompiling."""
+    folder, hf_model = tiny(tiny_model_factory)[:2]
+    buckets = tmp_path / "buckets.txt"
+    buckets.write_text("# prompt buckets\n(1, [64], 0)\n# decode buckets\n(1, 1, [16])\n")
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=1, max_model_len=64,
+              execution_mode="compile", environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
+    counters = llm.engine.counters
+    assert counters.compilations(stage="warmup") > 0
+    assert_engine_matches_transformers(llm, hf_model, (37, 6), 20)
+    assert counters.compilations(stage="serving") == 0
+
+
+@pytest.mark.slow  # spawns a second rank
+def test_tensor_parallel_2_matches_transformers(tiny_model_factory) -> None:
+    """Two ranks (gloo): each holds half the heads, half of every expert's and the shared
+    expert's width and half the dense MLP; interleaved-RoPE rows reordered per rank."""
+    folder, hf_model = tiny(tiny_model_factory, "llama4")[:2]
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=2, max_model_len=128,
+              tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.model.config.num_heads == 2  # this rank's half
+        assert_engine_matches_transformers(llm, hf_model, (37, 6), 20)
+    finally:
+        llm.shutdown()
