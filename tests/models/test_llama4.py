@@ -195,3 +195,30 @@ def test_tensor_parallel_2_matches_transformers(tiny_model_factory) -> None:
         assert_engine_matches_transformers(llm, hf_model, (37, 6), 20)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow  # a server process
+def test_conditional_generation_checkpoint_served_over_http(tiny_model_factory) -> None:
+    """The Llama4ForConditionalGeneration folder served as a text model through the real
+    server and the OpenAI SDK: a greedy completion (past two chunk boundaries) equal to
+    transformers', streamed and not."""
+    import openai
+    from server_process import MODEL_NAME, TINY_FLAGS, start_server
+
+    folder, hf_model, hf_tokenizer = tiny(tiny_model_factory, "llama4")
+    prompt = torch.randint(3, hf_model.config.vocab_size, (11,),
+                           generator=torch.Generator().manual_seed(3)).tolist()
+    expected = hf_tokenizer.decode(hf_greedy(hf_model, prompt, 12))
+    server = start_server(folder, *TINY_FLAGS)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        fields = dict(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                      extra_body={"ignore_eos": True})
+        done = client.completions.create(**fields)
+        streamed = "".join(chunk.choices[0].text for chunk in
+                           client.completions.create(stream=True, **fields) if chunk.choices)
+    finally:
+        server.stop()
+    assert done.choices[0].text == expected
+    assert done.usage.completion_tokens == 12
+    assert streamed == expected
