@@ -199,17 +199,18 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         """Llama 4's checkpoint names and layouts as the loader expects them (weight_load.py):
         ``feed_forward`` -> ``mlp``, the router -> ``gate``, the stacked experts
         (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``) transposed to transformers'
-        usual ``[E, 2I, H]`` / ``[E, H, I]``, and q/k rows reordered for rotate-half RoPE."""
+        usual ``[E, 2I, H]`` / ``[E, H, I]``, and q/k rows reordered for rotate-half RoPE
+        (a GGUF file's too: llama.cpp keeps Llama 4's interleaved rows, see gguf.py)."""
         for name, tensor in tensors:
-            name = name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
-            if _STACKED.search(name):
+            if _STACKED.search(name):  # a GGUF file's (mlp.experts...) are usual already
                 tensor = tensor.transpose(1, 2)
             elif _QK.search(name):
                 tensor = _rotate_half_rows(tensor, self.config.head_dim)
-            yield name, tensor
+            yield (name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate."),
+                   tensor)
 
 
-_STACKED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"\.feed_forward\.experts\.(gate_up_proj|down_proj)$")
 _QK = re.compile(r"\.self_attn\.(q_proj|k_proj)\.(weight|bias)$")
 
 

@@ -58,9 +58,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
                  gguf_permuted_qk=False),
-    Architecture("Llama4ForCausalLM", "llama4_text", None, moe=True, llama4=True),
-    Architecture("Llama4ForConditionalGeneration", "llama4", None, moe=True, llama4=True,
-                 text_part=True),
+    # llama.cpp's converter keeps Llama 4's (interleaved-RoPE) q/k rows as they are
+    Architecture("Llama4ForCausalLM", "llama4_text", "llama4", gguf_permuted_qk=False, moe=True,
+                 llama4=True),
+    Architecture("Llama4ForConditionalGeneration", "llama4", None, gguf_permuted_qk=False,
+                 moe=True, llama4=True, text_part=True),
 )}
 
 

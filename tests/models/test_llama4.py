@@ -222,3 +222,97 @@ def test_conditional_generation_checkpoint_served_over_http(tiny_model_factory) 
     assert done.choices[0].text == expected
     assert done.usage.completion_tokens == 12
     assert streamed == expected
+
+
+def llama4_as_llama_cpp_runs_it() -> torch.nn.Module:
+    """A tiny Llama 4 with the values llama.cpp fixes instead of reading them from a GGUF
+    file (8192-token chunks in three layers of four, the fourth NoPE, temperature floor 8192
+    and scale 0.1, q/k norms): transformers' defaults, the released models' values."""
+    import transformers
+    from test_gguf_families import scaled
+
+    torch.manual_seed(0)
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        max_position_embeddings=512, tie_word_embeddings=False)
+    return scaled(transformers.Llama4ForCausalLM(cfg))
+
+
+def write_llama4_gguf(path, hf_model: torch.nn.Module) -> None:  # noqa: ANN001 - a Path
+    """As llama.cpp's converter writes Llama 4: feed_forward_length the dense MLPs' width,
+    expert_feed_forward_length the experts'; q/k rows as they are (no permutation); the
+    experts' gate_up split into ffn_gate_exps / ffn_up_exps [E, I, H], down as [E, H, I];
+    the router ffn_gate_inp, the shared expert ffn_*_shexp."""
+    import gguf
+    import numpy as np
+
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), "llama4")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size_mlp)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_interleave_moe_layer_step(cfg.interleave_moe_layer_step)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "feed_forward.gate_proj": "ffn_gate", "feed_forward.up_proj": "ffn_up",
+             "feed_forward.down_proj": "ffn_down", "feed_forward.router": "ffn_gate_inp",
+             "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
+             "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
+             "feed_forward.shared_expert.down_proj": "ffn_down_shexp"}
+    top = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.float().numpy()
+        if name in top:
+            writer.add_tensor(top[name], array)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest == "feed_forward.experts.gate_up_proj":  # [E, H, 2I]
+            gate, up = np.split(array.swapaxes(1, 2), 2, axis=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+        elif rest == "feed_forward.experts.down_proj":  # [E, I, H]
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight",
+                              np.ascontiguousarray(array.swapaxes(1, 2)))
+        else:
+            module, kind = rest.rsplit(".", 1)
+            writer.add_tensor(f"blk.{layer}.{block[module]}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_as_llama_cpp_writes_it(tmp_path) -> None:
+    """A GGUF file of llama.cpp's "llama4" layout gives transformers' logits and greedy
+    tokens; the header's sizes and llama.cpp's fixed chunk / NoPE / temperature values are
+    read as such (the chunk, 8192 tokens, is not crossed here)."""
+    from test_gguf_families import assert_matches
+
+    from server.models.loader import load_model, resolve_model_source
+
+    hf_model = llama4_as_llama_cpp_runs_it()
+    folder = tmp_path / "llama4"
+    folder.mkdir()
+    write_llama4_gguf(folder / "tiny-llama4.gguf", hf_model)
+    cfg = load_model(resolve_model_source(str(folder)), "float32", torch.device("cpu")).config
+    assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.moe_layers) == (96, 32, (1, 3))
+    assert (cfg.attention_chunk_size, cfg.chunked_layers, cfg.nope_layers) == (8192, (0, 1, 2),
+                                                                                (3,))
+    assert cfg.attn_temperature == (8192.0, 0.1) and cfg.qk_l2_norm and not cfg.norm_topk_prob
+    assert_matches(str(folder), hf_model)
