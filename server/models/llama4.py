@@ -25,7 +25,6 @@ Its departures from the Llama decoder:
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterator
 from dataclasses import replace
@@ -41,8 +40,6 @@ from server.models.config import ModelConfig
 from server.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from server.models.lora import LoRASite
 from server.models.moe import DENSE, SparseMoeBlock, dense_experts, expert_plan, grouped_experts
-
-logger = logging.getLogger(__name__)
 
 
 class Llama4Attention(Attention):

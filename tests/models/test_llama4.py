@@ -81,6 +81,24 @@ def test_each_departure_changes_these_logits(tiny_model_factory, breaks) -> None
                             block=4)
 
 
+@pytest.mark.parametrize("block", [1, 4])
+def test_grouped_experts_match_transformers(tiny_model_factory, monkeypatch, block) -> None:
+    """The grouped expert computation (the tiny shapes pick the dense one) with Llama 4's
+    input-scaled experts: one gathered expert per token (1), or sorted into blocks (4)."""
+    from server.models import llama4
+
+    shapes = []
+
+    def plan(tokens: int, top_k: int, num_experts: int) -> int:
+        shapes.append(tokens)
+        return block
+
+    monkeypatch.setattr(llama4, "expert_plan", plan)
+    folder, hf_model = tiny(tiny_model_factory)[:2]
+    assert_logits_match(folder, hf_model, prompt_lens=LONG_PROMPTS, steps=4, block=4)
+    assert 4 * 41 in shapes and 4 in shapes  # prefill and decode both went the grouped way
+
+
 def test_layers_as_configured_and_vision_tower_ignored(tiny_model_factory, caplog) -> None:
     from server.models.llama import MLP
     from server.models.llama4 import Llama4MoeBlock
