@@ -334,3 +334,21 @@ def test_gguf_as_llama_cpp_writes_it(tmp_path) -> None:
                                                                                 (3,))
     assert cfg.attn_temperature == (8192.0, 0.1) and cfg.qk_l2_norm and not cfg.norm_topk_prob
     assert_matches(str(folder), hf_model)
+
+
+@pytest.mark.slow  # two engines
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch-ops", "fused-cpu"])
+def test_speculative_verify_across_chunks_keeps_greedy_tokens(tiny_model_factory,
+                                                              kernels: bool) -> None:
+    """ngram speculation on repetitive prompts: each verify step's queries (the last token
+    and up to 3 drafts) straddle 8-token chunk boundaries; the tokens stay transformers'."""
+    folder, hf_model = tiny(tiny_model_factory)[:2]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=4, speculative_config=spec,
+              environ={"HPU_SERVE_CPU_KERNELS": "1" if kernels else "0"})
+    prompts = [list(range(5, 15)) * 3, [7, 8, 9] * 6, list(range(40, 53)) * 2]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [hf_greedy(hf_model, p, 24) for p in prompts]
+    assert llm.engine.stats().spec_num_drafts > 0
