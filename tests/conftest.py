@@ -141,6 +141,27 @@ def save_tiny_model(
                                  beta_fast=32.0, beta_slow=1.0, truncate=False,
                                  original_max_position_embeddings=128), **common)
         cls = transformers.GptOssForCausalLM
+    elif model_type in ("llama4_text", "llama4"):
+        # layers 0-2 rotate and attend within 8-token chunks (prompts and decodes here
+        # cross several), layer 3 is NoPE with a query temperature that steps every 4
+        # positions; layers 1 and 3 MoE (4 experts of 32, top-1, a shared expert), 0 and 2
+        # dense MLPs of 96 (intermediate_size_mlp)
+        common.update(num_hidden_layers=4, intermediate_size=32)
+        text = dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=4,
+                    num_experts_per_tok=1, interleave_moe_layer_step=2,
+                    attention_chunk_size=sliding_window or 8, floor_scale=4, attn_scale=0.5,
+                    **common)
+        if model_type == "llama4_text":
+            config = transformers.Llama4TextConfig(**text)
+            cls = transformers.Llama4ForCausalLM
+        else:  # the conditional-generation checkpoint, with a tiny vision tower
+            vision = transformers.Llama4VisionConfig(
+                hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=64, image_size=56, patch_size=14, vision_output_dim=32,
+                projector_input_dim=64, projector_output_dim=64)
+            config = transformers.Llama4Config(text_config=text, vision_config=vision,
+                                               tie_word_embeddings=tie)
+            cls = transformers.Llama4ForConditionalGeneration
     else:
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling

@@ -21,6 +21,11 @@ softmax's denominator and contributes no value, so a query may attend to "nothin
 path takes them as an optional ``[Hq]`` float tensor (None: no sink): the dense paths add
 the sink as one extra score column and drop it after the softmax, the flat decode paths
 start each row's running max at the sink and add ``exp(sink - max)`` to its sum.
+
+Chunked local attention (``chunk``, per layer: Llama 4's RoPE layers) splits positions into
+chunks of ``chunk`` tokens: the query at position p sees keys at positions k with
+``k // chunk == p // chunk`` and ``k <= p``. It combines with a window the same way (both
+masks apply), over the same static shapes.
 """
 
 from __future__ import annotations
@@ -90,20 +95,41 @@ def write_kv(
     v_cache[index] = value.to(v_cache.dtype)
 
 
-def window_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None
-                   ) -> torch.Tensor:
-    """Causal (and windowed) visibility of keys by queries, broadcasting the two position
-    tensors against each other: ``p - window < k <= p``."""
+def window_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None,
+                   chunk: int | None = None) -> torch.Tensor:
+    """Causal (and windowed, and chunked) visibility of keys by queries, broadcasting the
+    two position tensors against each other: ``p - window < k <= p``, and ``k`` in ``p``'s
+    chunk."""
     distance = query_pos - key_pos
     visible = distance >= 0
     if window is not None:
         visible = visible & (distance < window)
+    if chunk is not None:
+        visible = visible & (torch.div(query_pos, chunk, rounding_mode="floor")
+                             == torch.div(key_pos, chunk, rounding_mode="floor"))
     return visible
+
+
+def _chunk_masked(distance: torch.Tensor, query_pos: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Where a key at ``distance`` (key - query position, <= 0 where visible) from a query at
+    ``query_pos`` lies before the query's chunk: ``distance < -(query_pos % chunk)``."""
+    return distance < -torch.remainder(query_pos, chunk)
+
+
+def _block_query_pos(meta: AttentionMetadata, bs: int) -> torch.Tensor:
+    """[N] the (first) query position of each block's row: every row lists all its blocks,
+    and its block 0 starts at position 0, so the position is the largest ``-block_start``
+    of the row's blocks (pad blocks: row ``bs``, position 0). Shapes are the batch's."""
+    assert meta.block_start is not None and meta.block_groups is not None
+    pos = torch.zeros(bs + 1, dtype=meta.block_start.dtype, device=meta.block_start.device)
+    pos = pos.scatter_reduce(0, meta.block_groups, -meta.block_start, reduce="amax",
+                             include_self=True)
+    return pos.index_select(0, meta.block_groups)
 
 
 def prompt_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-    softcap: float | None = None, window: int | None = None,
+    softcap: float | None = None, window: int | None = None, chunk: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a right-padded ``[bs, q]`` batch with no prior context.
@@ -122,9 +148,12 @@ def prompt_attention(
         v = v.repeat_interleave(groups, dim=1)
     q_len = q.shape[2]
     mask = None
-    if window is not None and window < q_len:  # else the window covers every prompt here
+    # else the window (chunk) covers every prompt here
+    window = window if window is not None and window < q_len else None
+    chunk = chunk if chunk is not None and chunk < q_len else None
+    if window is not None or chunk is not None:
         pos = torch.arange(q_len, device=q.device)
-        mask = window_visible(pos.view(-1, 1), pos.view(1, -1), window)
+        mask = window_visible(pos.view(-1, 1), pos.view(1, -1), window, chunk)
     if softcap is None and sinks is None:
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -157,7 +186,7 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> tor
 def paged_prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, softcap: float | None = None,
-    window: int | None = None, sinks: torch.Tensor | None = None,
+    window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill queries ``[bs, q, Hq, D]`` after a cached prefix: each row attends to its
     whole sequence in the cache (the prefix, and its own keys written just before), causally
@@ -186,7 +215,7 @@ def paged_prefill_attention(
     # otherwise see no key at all, and the NaN of an empty softmax would reach the padding
     # block through their values, then every query that multiplies it by a zero weight.
     query_pos = torch.minimum(query_pos, meta.total_lens.view(bs, 1) - 1)
-    visible = (window_visible(query_pos.unsqueeze(-1), key_pos.view(1, 1, -1), window)
+    visible = (window_visible(query_pos.unsqueeze(-1), key_pos.view(1, 1, -1), window, chunk)
                & (key_pos.view(1, 1, -1) < meta.total_lens.view(bs, 1, 1))).unsqueeze(1)
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
@@ -229,6 +258,7 @@ def flat_paged_attention(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row attending over its blocks. query ``[bs, Hq, D]`` -> ``[bs,
@@ -266,6 +296,11 @@ def flat_paged_attention(
         # key position - query position of every slot: visible from -(window - 1) to 0
         distance = meta.block_start.view(-1, 1) + torch.arange(block_size, device=bias.device)
         bias = bias.masked_fill(distance <= -window, _MASKED)
+    if chunk is not None:  # the slots before the query's chunk
+        assert meta.block_start is not None
+        distance = meta.block_start.view(-1, 1) + torch.arange(block_size, device=bias.device)
+        bias = bias.masked_fill(
+            _chunk_masked(distance, _block_query_pos(meta, bs).view(-1, 1), chunk), _MASKED)
     scores = scores + bias.view(num_blocks, 1, 1, block_size)
     block_max = scores.amax(dim=-1)  # [N, Hkv, G]
 
@@ -301,6 +336,7 @@ def flat_paged_verify_attention(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flat paged attention with ``q`` query tokens per row (a speculative verify step:
@@ -341,6 +377,13 @@ def flat_paged_verify_attention(
                     + torch.arange(block_size, device=bias.device).view(1, 1, -1)
                     - torch.arange(q_len, device=bias.device).view(1, -1, 1))
         bias = bias.masked_fill(distance <= -window, _MASKED)
+    if chunk is not None:  # query i of a row sits at the row's first position + i
+        assert meta.block_start is not None
+        offsets = torch.arange(q_len, device=bias.device).view(1, -1, 1)
+        distance = (meta.block_start.view(-1, 1, 1)
+                    + torch.arange(block_size, device=bias.device).view(1, 1, -1) - offsets)
+        query_pos = _block_query_pos(meta, bs).view(-1, 1, 1) + offsets
+        bias = bias.masked_fill(_chunk_masked(distance, query_pos, chunk), _MASKED)
     scores = scores + bias.view(num_blocks, 1, q_len, 1, block_size)
     block_max = scores.amax(dim=-1)  # [N, Hkv, q, G]
     seq_max = _initial_max((bs + 1, num_kv_heads, q_len, groups), sinks, scores)

