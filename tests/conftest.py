@@ -127,6 +127,18 @@ def save_tiny_model(
             head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
             norm_topk_prob=False, mlp_only_layers=[1], **common)
         cls = transformers.Qwen3MoeForCausalLM
+    elif model_type == "qwen3_next":
+        # linear (Gated DeltaNet) layers 0-2, full attention layer 3; 2 key heads of 4
+        # value heads each with a 16 x 16 state, a 4-tap convolution; every MLP 6 experts
+        # of 48 (top 2, renormalised) plus a shared expert of 40; RoPE over a quarter of
+        # each 32-wide attention head
+        common["num_hidden_layers"] = 4
+        config = transformers.Qwen3NextConfig(
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+            shared_expert_intermediate_size=40, **common)
+        cls = transformers.Qwen3NextForCausalLM
     else:
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling
@@ -140,9 +152,11 @@ def save_tiny_model(
             if p.dim() in (2, 3):  # 3-D: experts stacked [E, out, in], each a matrix
                 p.mul_(3.0)
         for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")) or (
+            if name.endswith(("q_norm.weight", "k_norm.weight", "linear_attn.norm.weight")) or (
                     model_type.startswith("gemma") and name.endswith("norm.weight")):
                 p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows
+            elif model_type == "qwen3_next" and name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)  # its norms scale by 1 + w: not all zeros either
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -10,6 +10,32 @@ from server.models.registry import architecture_of
 
 
 @dataclass(frozen=True, slots=True)
+class LinearAttentionSpec:
+    """Sizes of a Gated DeltaNet layer (Qwen3-Next): each value head keeps a recurrent
+    state ``[key_head_dim, value_head_dim]``, value heads share key heads in groups, and
+    q, k, v pass a causal depthwise convolution of ``conv_kernel`` taps first."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What the decoder needs to build itself; nothing about serving."""
 
@@ -72,6 +98,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()
+    # Hybrid models (Qwen3-Next): the linear-attention layers (no KV cache: a fixed-size
+    # state per sequence instead), their sizes, the shared expert beside the routed ones,
+    # and the sigmoid gate on the full-attention output (q_proj holds it after each head)
+    linear_layers: tuple[int, ...] = ()
+    linear_attention: LinearAttentionSpec | None = None
+    shared_expert_intermediate_size: int = 0
+    attn_output_gate: bool = False
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -92,6 +125,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
         gemma = _gemma_settings(hf) if arch.gemma else {}
+        hybrid = _hybrid_settings(hf) if arch.hybrid else {}
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -126,7 +160,22 @@ class ModelConfig:
         )
         fields.update(moe)
         fields.update(gemma)  # Gemma's readings replace the Llama ones
+        fields.update(hybrid)
         return cls(**fields)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Linear-attention layers with a per-sequence state beside the KV cache."""
+        return self.linear_attention is not None
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the paged cache."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_layers - len(self.linear_layers)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index``, None where it attends to everything."""
@@ -189,6 +238,37 @@ def _gemma_settings(hf: Any) -> dict[str, Any]:
         sandwich_norms=True,
         norm_offset=1.0,
         embedding_multiplier_in_dtype=True,
+    )
+
+
+def _hybrid_settings(hf: Any) -> dict[str, Any]:
+    """Qwen3-Next's departures: the layer kinds of ``layer_types`` (every
+    ``full_attention_interval``-th layer full attention in older config files), the Gated
+    DeltaNet sizes, the shared expert, the gated attention output."""
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None:
+        interval = int(getattr(hf, "full_attention_interval", 4))
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                       for i in range(hf.num_hidden_layers)]
+    unknown = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown} (full_attention, "
+                         "linear_attention)")
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"Qwen3-Next with activation {act!r} is not supported (silu)")
+    return dict(
+        linear_layers=tuple(i for i, kind in enumerate(layer_types)
+                            if kind == "linear_attention"),
+        linear_attention=LinearAttentionSpec(
+            num_key_heads=int(hf.linear_num_key_heads),
+            num_value_heads=int(hf.linear_num_value_heads),
+            key_head_dim=int(hf.linear_key_head_dim),
+            value_head_dim=int(hf.linear_value_head_dim),
+            conv_kernel=int(hf.linear_conv_kernel_dim)),
+        shared_expert_intermediate_size=int(
+            getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+        attn_output_gate=True,
     )
 
 

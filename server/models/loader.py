@@ -20,6 +20,7 @@ import torch
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.models.config import ModelConfig
 from server.models.errors import MissingModelFileError, model_file_error
+from server.models.families import new_model
 from server.models.gguf import (
     INT4_TYPES,
     Int4Weight,
@@ -217,7 +218,7 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
     origin = _origin(source)
     # the whole walk on meta: tensors the dequantizers create (index ranges) land there too
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = new_model(cfg)
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
                    else safetensors_shapes(Path(source.folder), origin.names))

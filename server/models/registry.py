@@ -30,6 +30,10 @@ class Architecture:
     # Gemma 2 / 3: (1 + w) norms, a norm after each sublayer too, GeGLU, embeddings scaled
     # by sqrt(hidden), soft-capped attention scores and logits where the config sets caps
     gemma: bool = False
+    # Qwen3-Next: Gated DeltaNet (linear attention, a per-sequence state) in the layers
+    # config.json marks "linear_attention", gated full attention in the others, a shared
+    # expert beside the routed ones, zero-centred (1 + w) norms (server/models/qwen3_next.py)
+    hybrid: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -51,6 +55,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
                  gguf_permuted_qk=False),
+    Architecture("Qwen3NextForCausalLM", "qwen3_next", "qwen3next", qk_norm=True, moe=True,
+                 gguf_permuted_qk=False, hybrid=True),
 )}
 
 

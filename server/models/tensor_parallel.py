@@ -32,6 +32,7 @@ from torch import nn
 
 from server.hpu.distributed import ParallelContext
 from server.models.config import ModelConfig
+from server.models.families import new_model
 from server.models.llama import LlamaForCausalLM
 from server.models.lora import LoRAAdapter, LoRASite
 
@@ -308,7 +309,7 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext
     """(the model to fill, the config the rank serves with, the plan) for the whole
     model's ``cfg``; the plain model at world size 1."""
     if parallel.world_size == 1:
-        return LlamaForCausalLM(cfg), cfg, None
+        return new_model(cfg), cfg, None
     plan = ShardPlan.build(cfg, parallel.rank, parallel.world_size)
     rank_cfg = plan.rank_config()
     return TensorParallelCausalLM(rank_cfg, plan, parallel), rank_cfg, plan

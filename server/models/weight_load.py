@@ -66,8 +66,10 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
     ``ModelFileError``."""
     params = dict(model.named_parameters(remove_duplicate=False))
     cfg = model.config
+    # a gated attention's q_proj holds each head's gate too (Qwen3-Next)
+    q_rows = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
     shard_sizes = {
-        "qkv_proj": [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2,
+        "qkv_proj": [q_rows] + [cfg.num_kv_heads * cfg.head_dim] * 2,
         "gate_up_proj": [cfg.intermediate_size] * 2,
     }
     loaded: set[str] = set()
@@ -94,9 +96,11 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
             prefix, part, kind = match.groups()
             fused, shard = _FUSED[part]
             name = f"{prefix}.{fused}.{kind}"
-            sizes = shard_sizes[fused]
-            target = _param(params, name, hf_name, origin).data.narrow(
-                0, sum(sizes[:shard]), sizes[shard])
+            param = _param(params, name, hf_name, origin)
+            # a shared expert's gate/up have their own width (Qwen3-Next)
+            sizes = ([param.shape[0] // 2] * 2 if fused == "gate_up_proj"
+                     else shard_sizes[fused])
+            target = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
             loaded.add(f"{name}#{shard}")
         else:
             target = _param(params, name, hf_name, origin).data

@@ -45,6 +45,7 @@ from server.hpu.graph_runner import ForwardInputs, ShapeRunner
 from server.hpu.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
 from server.hpu.layer_ops import TorchLayerOps
 from server.hpu.platform import Platform
+from server.hpu.state_cache import LayerState
 from server.hpu.types import Bucket, BucketLimits, DecodeLayout, Phase, SyncPoint
 from server.hpu.warmup import WarmupHooks, run_warmup
 from server.models.llama import LlamaForCausalLM
@@ -59,13 +60,19 @@ class ModelForward:
     row's last token, padding rows included. A pure function of tensors (the KV cache is
     updated in place), so it can be compiled or captured per bucket."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
+                 state_caches: list[LayerState] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.state_caches = state_caches  # hybrid models: their linear layers' states
 
     def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                            inputs.lora_slots)
+        if self.state_caches is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.meta, inputs.lora_slots)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.meta, None, self.state_caches, inputs.state)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.logits_indices)
         return self.model.compute_logits(hidden)
 
