@@ -91,3 +91,66 @@ def test_chunked_prefill_carries_the_state(tiny_model_factory, chunk: int) -> No
     """Prompts computed ``chunk`` tokens per step: each chunk continues the convolution's
     inputs and the recurrent state the last one left in the slot."""
     assert_logits_match(*tiny_model_factory(**QWEN3_NEXT)[:2], chunk=chunk)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    from transformers import GenerationConfig
+
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=GenerationConfig(
+            max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0))
+    return out[0, len(prompt):].tolist()
+
+
+def test_engine_greedy_tokens_match_transformers(tiny_model_factory, capfd) -> None:
+    """Through the engine (eager): prompts of several blocks and one past a delta-rule
+    chunk, batched; prefix caching asked for and logged off; the state cache logged; every
+    slot and block back in the pools at the end."""
+    from server import LLM
+    from server import SamplingParams as Params
+
+    folder, hf_model, _ = tiny_model_factory(**QWEN3_NEXT)
+    llm = LLM(folder, dtype="float32", block_size=BLOCK, max_num_seqs=4, max_model_len=256,
+              enable_prefix_caching=True)
+    log = capfd.readouterr().err  # the engine logs to stderr
+    assert "Prefix caching: off for this hybrid model" in log
+    assert "State cache: 4 slots (max_num_seqs) + 1 padding slot, 3 linear-attention" in log
+    engine = llm.engine
+    assert not engine.block_manager.enable_caching
+    gen = torch.Generator().manual_seed(5)
+    vocab = hf_model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (30, 9, 70)]
+    params = Params(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts[:1], params)]
+    for prompt, got in zip(prompts + prompts[:1], outputs):
+        assert got == hf_greedy(hf_model, prompt, 12)
+    assert engine.state_slots.num_free == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.slow
+def test_compile_mode_serves_on_warmed_buckets_only(tiny_model_factory, tmp_path) -> None:
+    """Compile mode: the state slots are part of every warmed bucket's inputs, so serving
+    (batches padded with rows on the padding slot) compiles nothing and misses no bucket,
+    and the tokens are transformers'."""
+    from server import LLM
+    from server import SamplingParams as Params
+
+    folder, hf_model, _ = tiny_model_factory(**QWEN3_NEXT)
+    buckets = tmp_path / "b.txt"
+    buckets.write_text("([1, 4], 64, [0])\n([4], 1, [16])\n")
+    llm = LLM(folder, dtype="float32", block_size=16, max_num_seqs=4, max_model_len=96,
+              execution_mode="compile", environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
+    counters = llm.engine.counters
+    gen = torch.Generator().manual_seed(7)
+    vocab = hf_model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (40, 7, 21)]
+    params = Params(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for prompt, got in zip(prompts, outputs):
+        assert got == hf_greedy(hf_model, prompt, 10)
+    assert counters.compilations(stage="serving") == 0
+    assert sum(counters._misses.labels(counters.model_name, p)._value.get()
+               for p in ("prefill", "decode")) == 0
+    assert llm.engine.state_slots.num_free == 4
