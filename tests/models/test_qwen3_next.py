@@ -103,6 +103,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_engine_greedy_tokens_match_transformers(tiny_model_factory, capfd) -> None:
     """Through the engine (eager): prompts of several blocks and one past a delta-rule
     chunk, batched; prefix caching asked for and logged off; the state cache logged; every
@@ -154,3 +155,65 @@ def test_compile_mode_serves_on_warmed_buckets_only(tiny_model_factory, tmp_path
     assert sum(counters._misses.labels(counters.model_name, p)._value.get()
                for p in ("prefill", "decode")) == 0
     assert llm.engine.state_slots.num_free == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompts", "chunked-prefill"])
+def test_no_slot_or_block_left_after_aborts_and_preemption(tiny_model_factory,
+                                                           chunked: bool) -> None:
+    """A deliberately tiny KV cache: decodes run short of blocks and preempt (the victim's
+    slot is given back, its state recomputed from its tokens on return), aborted requests
+    give back their slots wherever they are; afterwards every slot and block is free, and
+    the greedy outputs equal those of a cache big enough never to preempt."""
+    import random
+
+    from server.config import make_engine_config
+    from server.engine.llm_engine import LLMEngine
+
+    folder, hf_model, _ = tiny_model_factory(**QWEN3_NEXT)
+    limits = dict(enable_chunked_prefill=True, max_num_batched_tokens=16) if chunked else {}
+    small = LLMEngine(make_engine_config(model=folder, dtype="float32", block_size=4,
+                                         num_gpu_blocks_override=24, max_num_seqs=6,
+                                         max_model_len=64, **limits))
+    rng = random.Random(0)
+    vocab = hf_model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 30))] for _ in range(24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True)
+              for _ in prompts]
+    to_abort = set(rng.sample(range(24), 5))
+    completed: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        small.add_request(str(i), p, sp)
+    steps = 0
+    slots = small.state_slots
+    while small.has_unfinished_requests():
+        for out in small.step():
+            completed.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        running = small.scheduler.running
+        # every running sequence holds its own slot, no waiting one holds any
+        assert sorted(s.state_slot for s in running) == sorted({s.state_slot for s in running})
+        assert None not in {s.state_slot for s in running}
+        assert all(s.state_slot is None for s in small.scheduler.waiting)
+        assert slots.num_used == len(running)
+        steps += 1
+        if steps % 5 == 0 and to_abort:
+            victim = str(to_abort.pop())
+            if small.abort_request(victim) is not None:
+                aborted.add(victim)
+                completed.pop(victim, None)
+    assert small.scheduler.num_preemptions > 0
+    assert slots.num_free == slots.num_slots
+    assert small.block_manager.num_free_blocks == small.block_manager.num_blocks
+    assert aborted
+
+    big = LLMEngine(make_engine_config(model=folder, dtype="float32", block_size=4,
+                                       max_num_seqs=6, max_model_len=64))
+    for i in completed:
+        big.add_request(i, prompts[int(i)], params[int(i)])
+    want: dict[str, list[int]] = {}
+    while big.has_unfinished_requests():
+        for out in big.step():
+            want.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    assert big.scheduler.num_preemptions == 0
+    assert completed == want
