@@ -217,3 +217,89 @@ def test_no_slot_or_block_left_after_aborts_and_preemption(tiny_model_factory,
             want.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
     assert big.scheduler.num_preemptions == 0
     assert completed == want
+
+
+class RecordingSampler:
+    """Rank 0's sampler, keeping a copy of every step's logits."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001 - the engine's Sampler
+        self.inner = inner
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, t):  # noqa: ANN001, ANN204
+        self.logits.append(logits.detach().float().clone())
+        return self.inner(logits, t)
+
+
+def engine_greedy(folder: str, tp: int, prompts: list[list[int]], max_tokens: int
+                  ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    from server.config import make_engine_config
+    from server.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(make_engine_config(model=folder, dtype="float32", block_size=4,
+                                          max_num_seqs=4, max_model_len=128,
+                                          tensor_parallel_size=tp))
+    try:
+        recorder = RecordingSampler(engine.runner.sampler)
+        engine.runner.sampler = recorder
+        engine.warmup()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        assert engine.state_slots.num_free == 4
+        return [tokens[f"r{i}"] for i in range(len(prompts))], recorder.logits
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_transformers(tiny_model_factory) -> None:
+    """TP 2: each rank holds one of the two key heads (two value heads, their states),
+    half the attention heads, half of every expert and of the shared expert; the tokens
+    are transformers' and the logits one rank's."""
+    folder, hf_model, _ = tiny_model_factory(**QWEN3_NEXT)
+    gen = torch.Generator().manual_seed(11)
+    vocab = hf_model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (70, 5, 18)]
+    one = engine_greedy(folder, 1, prompts, 10)
+    two = engine_greedy(folder, 2, prompts, 10)
+    for prompt, got in zip(prompts, two[0]):
+        assert got == hf_greedy(hf_model, prompt, 10)
+    assert two[0] == one[0]
+    assert len(one[1]) == len(two[1])
+    for a, b in zip(one[1], two[1]):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+def test_shard_plan_splits_the_delta_net_heads(tiny_model_factory) -> None:
+    """Lazily read slices equal the same cuts of whole tensors, and each rank's tensors
+    have the shapes its model (half the heads) asks for."""
+    from safetensors import safe_open
+
+    from server.hpu.distributed import ParallelContext
+    from server.models.loader import load_model_config
+    from server.models.tensor_parallel import ShardPlan, build_model
+    from server.models.weight_load import TensorOrigin, load_into
+
+    source = resolve_model_source(tiny_model_factory(**QWEN3_NEXT)[0])
+    cfg = load_model_config(source)
+    path = f"{source.folder}/model.safetensors"
+    for rank in range(2):
+        plan = ShardPlan.build(cfg, rank, 2)
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+            lazy = dict(plan.read((k, f.get_slice(k)) for k in keys))
+            whole = dict(plan.shard((k, f.get_tensor(k)) for k in keys))
+        for key in keys:
+            assert torch.equal(lazy[key], whole[key]), (rank, key)
+        conv = lazy["model.layers.0.linear_attn.conv1d.weight"]
+        assert conv.shape[0] == cfg.linear_attention.conv_dim // 2
+        with torch.device("meta"):
+            model = build_model(cfg, ParallelContext(rank, 2))[0]
+        load_into(model, iter(lazy.items()), TensorOrigin(source.folder, False), dry_run=True)
+    with pytest.raises(ValueError, match="linear-attention key / value heads"):
+        ShardPlan.build(cfg, 0, 4)
