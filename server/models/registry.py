@@ -55,8 +55,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
                  gguf_permuted_qk=False),
-    Architecture("Qwen3NextForCausalLM", "qwen3_next", "qwen3next", qk_norm=True, moe=True,
-                 gguf_permuted_qk=False, hybrid=True),
+    # llama.cpp's "qwen3next" files are not read (no GGUF name: refused as unsupported)
+    Architecture("Qwen3NextForCausalLM", "qwen3_next", None, qk_norm=True, moe=True,
+                 hybrid=True),
 )}
 
 

@@ -303,3 +303,32 @@ def test_shard_plan_splits_the_delta_net_heads(tiny_model_factory) -> None:
         load_into(model, iter(lazy.items()), TensorOrigin(source.folder, False), dry_run=True)
     with pytest.raises(ValueError, match="linear-attention key / value heads"):
         ShardPlan.build(cfg, 0, 4)
+
+
+def test_gguf_qwen3next_files_are_refused(tmp_path) -> None:
+    """llama.cpp's qwen3next GGUF layout is not read: a clear start-up error, not a
+    half-built model."""
+    from gguf_files import header_only_gguf
+
+    from server.models.gguf import gguf_model_config, open_gguf
+
+    path = header_only_gguf(tmp_path / "q.gguf", "qwen3next", block_count=4,
+                            expert_count=6)
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen3next'"):
+        gguf_model_config(open_gguf(str(path)))
+
+
+def test_speculative_decoding_and_lora_are_refused(tiny_model_factory) -> None:
+    from server.config import make_engine_config
+    from server.engine.llm_engine import LLMEngine
+
+    folder = tiny_model_factory(**QWEN3_NEXT)[0]
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for Qwen3-Next"):
+        LLMEngine(make_engine_config(model=folder, dtype="float32", block_size=4,
+                                     max_num_seqs=2, max_model_len=64, enable_lora=True))
+    config = make_engine_config(model=folder, dtype="float32", block_size=4, max_num_seqs=2,
+                                max_model_len=64, speculative_config={
+                                    "method": "ngram", "num_speculative_tokens": 2,
+                                    "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="--speculative-config is not supported for hybrid"):
+        LLMEngine(config)
