@@ -20,6 +20,9 @@ class LinearAttentionSpec:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    # q/k/v, z, b and a from separate projections (Qwen3.5); False: Qwen3-Next's two
+    # projections, rows grouped per key head
+    split_projections: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -125,12 +128,13 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
         gemma = _gemma_settings(hf) if arch.gemma else {}
-        hybrid = _hybrid_settings(hf) if arch.hybrid else {}
+        hybrid = _hybrid_settings(hf, arch.split_delta_projections) if arch.hybrid else {}
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            # Qwen3.5-MoE's text config has none: every layer is sparse
+            intermediate_size=getattr(hf, "intermediate_size", None) or 0,
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
@@ -241,7 +245,7 @@ def _gemma_settings(hf: Any) -> dict[str, Any]:
     )
 
 
-def _hybrid_settings(hf: Any) -> dict[str, Any]:
+def _hybrid_settings(hf: Any, split_projections: bool) -> dict[str, Any]:
     """Qwen3-Next's departures: the layer kinds of ``layer_types`` (every
     ``full_attention_interval``-th layer full attention in older config files), the Gated
     DeltaNet sizes, the shared expert, the gated attention output."""
@@ -265,7 +269,8 @@ def _hybrid_settings(hf: Any) -> dict[str, Any]:
             num_value_heads=int(hf.linear_num_value_heads),
             key_head_dim=int(hf.linear_key_head_dim),
             value_head_dim=int(hf.linear_value_head_dim),
-            conv_kernel=int(hf.linear_conv_kernel_dim)),
+            conv_kernel=int(hf.linear_conv_kernel_dim),
+            split_projections=split_projections),
         shared_expert_intermediate_size=int(
             getattr(hf, "shared_expert_intermediate_size", 0) or 0),
         attn_output_gate=True,

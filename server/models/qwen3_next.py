@@ -124,18 +124,39 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = spec.key_dim
         self.value_dim = spec.value_dim
         groups = spec.num_value_heads // spec.num_key_heads
-        # per key head: q, k, then its value heads' v and z (the checkpoint's row order)
-        self.qkvz_split = [spec.key_head_dim, spec.key_head_dim,
-                           groups * spec.value_head_dim, groups * spec.value_head_dim]
-        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * spec.key_dim + 2 * spec.value_dim,
-                                      bias=False)
-        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * spec.num_value_heads, bias=False)
+        self.split = spec.split_projections
+        if self.split:  # Qwen3.5: q, k, v as the convolution's channels; z, b, a apart
+            self.in_proj_qkv = nn.Linear(cfg.hidden_size, spec.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(cfg.hidden_size, spec.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(cfg.hidden_size, spec.num_value_heads, bias=False)
+            self.in_proj_a = nn.Linear(cfg.hidden_size, spec.num_value_heads, bias=False)
+        else:
+            # per key head: q, k, then its value heads' v and z (the checkpoint's row order)
+            self.qkvz_split = [spec.key_head_dim, spec.key_head_dim,
+                               groups * spec.value_head_dim, groups * spec.value_head_dim]
+            self.in_proj_qkvz = nn.Linear(cfg.hidden_size,
+                                          2 * spec.key_dim + 2 * spec.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * spec.num_value_heads, bias=False)
         self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, bias=False,
                                 groups=spec.conv_dim)
         self.dt_bias = nn.Parameter(torch.ones(spec.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(spec.num_value_heads))
         self.norm = GatedRMSNorm(spec.value_head_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(spec.value_dim, cfg.hidden_size, bias=False)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x ``[bs, T, H]`` -> (q/k/v as the convolution's channels ``[bs, C, T]``, z, b,
+        a), from either checkpoint layout."""
+        bs, length, _ = x.shape
+        if self.split:
+            return (self.in_proj_qkv(x).transpose(1, 2), self.in_proj_z(x),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        q, k, v, z = self.in_proj_qkvz(x).view(bs, length, self.num_k_heads, -1).split(
+            self.qkvz_split, dim=-1)
+        b, a = self.in_proj_ba(x).view(bs, length, self.num_k_heads, -1).chunk(2, dim=-1)
+        mixed = torch.cat([q.reshape(bs, length, -1), k.reshape(bs, length, -1),
+                           v.reshape(bs, length, -1)], dim=-1).transpose(1, 2)
+        return mixed, z, b, a
 
     def state_shape(self, dtype: torch.dtype) -> StateShape:
         """The convolution's inputs in the model dtype; the recurrent state in float32 (it
@@ -147,11 +168,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: LayerState, state: StateInputs) -> torch.Tensor:
         bs, length, _ = x.shape
         conv_cache, recurrent_cache = cache
-        q, k, v, z = self.in_proj_qkvz(x).view(bs, length, self.num_k_heads, -1).split(
-            self.qkvz_split, dim=-1)
-        b, a = self.in_proj_ba(x).view(bs, length, self.num_k_heads, -1).chunk(2, dim=-1)
-        mixed = torch.cat([q.reshape(bs, length, -1), k.reshape(bs, length, -1),
-                           v.reshape(bs, length, -1)], dim=-1).transpose(1, 2)
+        mixed, z, b, a = self._project(x)
         # a sequence's first step starts from zeros, whatever its slot held before
         previous = conv_cache.index_select(0, state.slots)
         previous = torch.where(state.has_state.view(-1, 1, 1), previous, 0.0)

@@ -197,7 +197,8 @@ class ShardPlan:
         """Qwen3-Next's own tensors (None: cut as the Llama ones). Gated DeltaNet is split
         by key heads, each rank keeping its value heads' state: q/k/v/z and b/a rows come
         grouped per key head (one range), the convolution's channels are q, k, v side by
-        side (three ranges), ``out_proj`` is row-parallel. A gated q_proj holds each head's
+        side (three ranges; so are Qwen3.5's in_proj_qkv rows, its z, b, a one range
+        each), ``out_proj`` is row-parallel. A gated q_proj holds each head's
         query then gate (2 x head_dim rows per head); the shared expert is split as an MLP
         of its own width."""
         cfg = self.config
@@ -213,10 +214,12 @@ class ShardPlan:
                 return Cut(0, ((r * rows, rows),))
             if name.endswith("in_proj_ba.weight"):
                 return Cut(0, ((r * 2 * v_heads, 2 * v_heads),))
-            if name.endswith("conv1d.weight"):
+            if name.endswith(("conv1d.weight", "in_proj_qkv.weight")):
                 return Cut(0, ((r * key, key), (linear.key_dim + r * key, key),
                                (2 * linear.key_dim + r * value, value)))
-            if name.endswith(("dt_bias", "A_log")):
+            if name.endswith("in_proj_z.weight"):
+                return Cut(0, ((r * value, value),))
+            if name.endswith(("dt_bias", "A_log", "in_proj_b.weight", "in_proj_a.weight")):
                 return Cut(0, ((r * v_heads, v_heads),))
             if name.endswith("out_proj.weight"):
                 return Cut(1, ((r * value, value),))

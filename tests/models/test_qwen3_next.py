@@ -1,5 +1,6 @@
 """Qwen3-Next (Gated DeltaNet linear attention + gated full attention + shared-expert MoE)
-against transformers' own implementation on the same tiny random weights."""
+and Qwen3.5's text models (the same layers, separate DeltaNet projections; dense MLPs or
+experts) against transformers' own implementation on the same tiny random weights."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ BLOCK = 4
 PROMPT_LENS = (3, 70, 9, 30)
 STEPS = 8
 QWEN3_NEXT = dict(model_type="qwen3_next", tie=False, num_kv_heads=2)
+FAMILIES = {
+    "qwen3-next": QWEN3_NEXT,
+    "qwen3.5": dict(model_type="qwen3_5_text", tie=False, num_kv_heads=2),
+    "qwen3.5-moe": dict(model_type="qwen3_5_moe_text", tie=True, num_kv_heads=2),
+}
 
 
 def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int,
@@ -80,17 +86,20 @@ def assert_logits_match(folder: str, hf_model: torch.nn.Module, chunk: int | Non
             torch.testing.assert_close(logits[row], ref[n - 1 + step], atol=2e-4, rtol=1e-4)
 
 
-def test_logits_match_transformers(tiny_model_factory) -> None:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_transformers(tiny_model_factory, family: str) -> None:
     """One padded prefill (a 70-token row: two chunks of the delta rule, the others
     padded), then decode steps on the recurrent states."""
-    assert_logits_match(*tiny_model_factory(**QWEN3_NEXT)[:2])
+    assert_logits_match(*tiny_model_factory(**FAMILIES[family])[:2])
 
 
-@pytest.mark.parametrize("chunk", [8, 20])
-def test_chunked_prefill_carries_the_state(tiny_model_factory, chunk: int) -> None:
+@pytest.mark.parametrize("family,chunk", [("qwen3-next", 8), ("qwen3-next", 20),
+                                          ("qwen3.5", 20)])
+def test_chunked_prefill_carries_the_state(tiny_model_factory, family: str, chunk: int
+                                           ) -> None:
     """Prompts computed ``chunk`` tokens per step: each chunk continues the convolution's
     inputs and the recurrent state the last one left in the slot."""
-    assert_logits_match(*tiny_model_factory(**QWEN3_NEXT)[:2], chunk=chunk)
+    assert_logits_match(*tiny_model_factory(**FAMILIES[family])[:2], chunk=chunk)
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
@@ -257,11 +266,12 @@ def engine_greedy(folder: str, tp: int, prompts: list[list[int]], max_tokens: in
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_transformers(tiny_model_factory) -> None:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tensor_parallel_2_matches_transformers(tiny_model_factory, family: str) -> None:
     """TP 2: each rank holds one of the two key heads (two value heads, their states),
-    half the attention heads, half of every expert and of the shared expert; the tokens
-    are transformers' and the logits one rank's."""
-    folder, hf_model, _ = tiny_model_factory(**QWEN3_NEXT)
+    half the attention heads, half of every expert and of the shared expert (or of the
+    dense MLPs); the tokens are transformers' and the logits one rank's."""
+    folder, hf_model, _ = tiny_model_factory(**FAMILIES[family])
     gen = torch.Generator().manual_seed(11)
     vocab = hf_model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (70, 5, 18)]
@@ -275,7 +285,8 @@ def test_tensor_parallel_2_matches_transformers(tiny_model_factory) -> None:
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
 
 
-def test_shard_plan_splits_the_delta_net_heads(tiny_model_factory) -> None:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_shard_plan_splits_the_delta_net_heads(tiny_model_factory, family: str) -> None:
     """Lazily read slices equal the same cuts of whole tensors, and each rank's tensors
     have the shapes its model (half the heads) asks for."""
     from safetensors import safe_open
@@ -285,7 +296,7 @@ def test_shard_plan_splits_the_delta_net_heads(tiny_model_factory) -> None:
     from server.models.tensor_parallel import ShardPlan, build_model
     from server.models.weight_load import TensorOrigin, load_into
 
-    source = resolve_model_source(tiny_model_factory(**QWEN3_NEXT)[0])
+    source = resolve_model_source(tiny_model_factory(**FAMILIES[family])[0])
     cfg = load_model_config(source)
     path = f"{source.folder}/model.safetensors"
     for rank in range(2):
