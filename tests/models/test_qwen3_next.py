@@ -343,3 +343,25 @@ def test_speculative_decoding_and_lora_are_refused(tiny_model_factory) -> None:
                                     "prompt_lookup_max": 3})
     with pytest.raises(ValueError, match="--speculative-config is not supported for hybrid"):
         LLMEngine(config)
+
+
+def test_state_cache_comes_out_of_the_kv_budget(tiny_model_factory) -> None:
+    """The KV cache holds the full-attention layer only, and the KV blocks are what the
+    budget holds once the state cache (every slot plus the padding one, per linear layer)
+    is taken out of it."""
+    from server import LLM
+    from server.hpu.kv_cache import kv_bytes_per_block
+
+    folder = tiny_model_factory(**QWEN3_NEXT)[0]
+    budget = 2**20  # a budget small enough to bind (the environment variable is in GiB)
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=16, max_model_len=256,
+              environ={"VLLM_CPU_KVCACHE_SPACE": str(budget / 2**30)})
+    runner = llm.engine.runner
+    cfg = runner.model.config
+    assert len(runner.kv_caches) == cfg.num_kv_layers == 1
+    states = runner.state_caches
+    assert len(states) == 3 and all(t.shape[0] == 17 for layer in states for t in layer)
+    held = sum(t.numel() * t.element_size() for layer in states for t in layer)
+    assert runner.state_cache_bytes == held
+    per_block = kv_bytes_per_block(1, cfg.num_kv_heads, cfg.head_dim, 4, torch.float32)
+    assert runner.num_blocks == (budget - held) // per_block - 1
