@@ -143,16 +143,23 @@ def test_engine_greedy_tokens_match_transformers(tiny_model_factory, capfd) -> N
 def test_compile_mode_serves_on_warmed_buckets_only(tiny_model_factory, tmp_path) -> None:
     """Compile mode: the state slots are part of every warmed bucket's inputs, so serving
     (batches padded with rows on the padding slot) compiles nothing and misses no bucket,
-    and the tokens are transformers'."""
+    and the tokens are transformers'. A 32-token step budget chunks the prompts: a chunk
+    after its prompt's first runs in a context bucket and continues its slot's state."""
     from server import LLM
     from server import SamplingParams as Params
 
     folder, hf_model, _ = tiny_model_factory(**QWEN3_NEXT)
     buckets = tmp_path / "b.txt"
-    buckets.write_text("([1, 4], 64, [0])\n([4], 1, [16])\n")
+    buckets.write_text("([1, 4], 32, [0, 2])\n([4], 1, [16])\n")
     llm = LLM(folder, dtype="float32", block_size=16, max_num_seqs=4, max_model_len=96,
-              execution_mode="compile", environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
+              execution_mode="compile", enable_chunked_prefill=True,
+              max_num_batched_tokens=32,
+              environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
     counters = llm.engine.counters
+    runner = llm.engine.runner
+    buckets_run = []
+    bucket_of = runner._bucket
+    runner._bucket = lambda *args: buckets_run.append(bucket_of(*args)) or buckets_run[-1]
     gen = torch.Generator().manual_seed(7)
     vocab = hf_model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (40, 7, 21)]
@@ -164,6 +171,7 @@ def test_compile_mode_serves_on_warmed_buckets_only(tiny_model_factory, tmp_path
     assert sum(counters._misses.labels(counters.model_name, p)._value.get()
                for p in ("prefill", "decode")) == 0
     assert llm.engine.state_slots.num_free == 4
+    assert (1, 32, 2) in buckets_run  # a chunk after 32 tokens of its prompt
 
 
 @pytest.mark.slow
