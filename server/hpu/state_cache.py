@@ -49,6 +49,18 @@ class StateInputs:
     # [bs] bool: the row continues a state (false: its sequence starts here, from zeros)
     has_state: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.slots, self.query_lens, self.has_state
+
+    def clone(self) -> StateInputs:
+        """A copy in fresh storage (a captured graph's static inputs)."""
+        return StateInputs(*(t.clone() for t in self.tensors()))
+
+    def copy_(self, src: StateInputs) -> None:
+        """Copies ``src``'s values into these tensors (before a graph's replay)."""
+        for dst, value in zip(self.tensors(), src.tensors()):
+            dst.copy_(value)
+
 
 def allocate_state_cache(shapes: list[StateShape], num_slots: int, device: torch.device
                          ) -> list[LayerState]:

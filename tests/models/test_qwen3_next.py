@@ -373,3 +373,25 @@ def test_state_cache_comes_out_of_the_kv_budget(tiny_model_factory) -> None:
     assert runner.state_cache_bytes == held
     per_block = kv_bytes_per_block(1, cfg.num_kv_heads, cfg.head_dim, 4, torch.float32)
     assert runner.num_blocks == (budget - held) // per_block - 1
+
+
+def test_graph_runners_carry_the_state_inputs(tiny_model_factory) -> None:
+    """HPU graphs take a flat tuple of tensors and CUDA graphs replay on copies of static
+    inputs: both keep each row's state slot, so a captured step reads and writes the slots
+    of the batch it replays."""
+    from server.engine.worker.input_builder import InputBuilder, dummy_seq
+    from server.hpu.cuda import _clone_inputs, _copy_inputs
+    from server.hpu.gaudi import flatten_inputs, unflatten_inputs
+
+    builder = InputBuilder(4, 16, torch.device("cpu"), torch.float32, 256, pad_state_slot=8)
+    seqs = [dummy_seq(9, [1, 2, 3]), dummy_seq(5, [4, 5])]
+    seqs[0].state_slot, seqs[1].state_slot = 3, 6
+    inputs = builder.decode(seqs, pad_to=(4, 8))
+    assert inputs.state.slots.tolist() == [3, 6, 8, 8]
+    assert inputs.state.has_state.tolist() == [True, True, False, False]
+    back = unflatten_inputs(*flatten_inputs(inputs)).state
+    assert [t.tolist() for t in back.tensors()] == [t.tolist() for t in inputs.state.tensors()]
+    static = _clone_inputs(inputs)
+    seqs[0].state_slot = 1
+    _copy_inputs(static, builder.decode(seqs, pad_to=(4, 8)))
+    assert static.state.slots.tolist() == [1, 6, 8, 8]
