@@ -395,3 +395,12 @@ def test_graph_runners_carry_the_state_inputs(tiny_model_factory) -> None:
     seqs[0].state_slot = 1
     _copy_inputs(static, builder.decode(seqs, pad_to=(4, 8)))
     assert static.state.slots.tolist() == [1, 6, 8, 8]
+
+
+def test_a_budget_the_state_cache_fills_is_a_clear_error(tiny_model_factory) -> None:
+    from server import LLM
+
+    folder = tiny_model_factory(**QWEN3_NEXT)[0]
+    with pytest.raises(RuntimeError, match="the state cache .*lower --max-num-seqs"):
+        LLM(folder, dtype="float32", block_size=4, max_num_seqs=64, max_model_len=64,
+            environ={"VLLM_CPU_KVCACHE_SPACE": str(2**19 / 2**30)})

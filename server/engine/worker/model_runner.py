@@ -473,8 +473,15 @@ class ModelRunner:
         per_seq = blocks_for(limits.max_model_len, cache.block_size)
         # No use holding more than every sequence at full length. The state cache (hybrid
         # models) comes out of the same budget.
-        budget = self.platform.kv_cache_budget_bytes(cache) - self.state_cache_bytes
-        return num_kv_blocks(budget, per_block, limits.max_num_seqs * per_seq, per_seq)
+        budget = self.platform.kv_cache_budget_bytes(cache)
+        if self.state_cache_bytes and self.state_cache_bytes + 2 * per_block > budget:
+            raise RuntimeError(
+                f"the state cache ({self.num_state_slots} slots, one per --max-num-seqs, "
+                f"{self.state_cache_bytes / 2**30:.2f} GiB) leaves no room for KV blocks in "
+                f"the {budget / 2**30:.2f} GiB budget: lower --max-num-seqs or raise the "
+                "budget (VLLM_CPU_KVCACHE_SPACE / --gpu-memory-utilization)")
+        return num_kv_blocks(budget - self.state_cache_bytes, per_block,
+                             limits.max_num_seqs * per_seq, per_seq)
 
 
 def bucket_label(phase: Phase, bucket: Bucket) -> str:
