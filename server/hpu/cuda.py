@@ -62,7 +62,8 @@ def _clone_inputs(inputs: ForwardInputs) -> ForwardInputs:
     lora = inputs.lora_slots
     return ForwardInputs(inputs.input_ids.clone(), inputs.positions.clone(), meta,
                          inputs.logits_indices.clone(), inputs.num_seqs,
-                         None if lora is None else lora.clone())
+                         None if lora is None else lora.clone(),
+                         None if inputs.state is None else inputs.state.clone())
 
 
 def _copy_inputs(dst: ForwardInputs, src: ForwardInputs) -> None:
@@ -71,6 +72,8 @@ def _copy_inputs(dst: ForwardInputs, src: ForwardInputs) -> None:
     dst.logits_indices.copy_(src.logits_indices)
     if dst.lora_slots is not None and src.lora_slots is not None:
         dst.lora_slots.copy_(src.lora_slots)
+    if dst.state is not None and src.state is not None:  # hybrid models' state slots
+        dst.state.copy_(src.state)
     for f in fields(AttentionMetadata):
         value = getattr(dst.meta, f.name)
         if isinstance(value, torch.Tensor):

@@ -57,6 +57,9 @@ class Sequence:
     client: str = ""
     # the adapter it runs with (--enable-lora; None: the base model)
     lora: LoRARequest | None = None
+    # hybrid models: its slot in the state cache while it runs (server/engine/core/
+    # state_cache.py); None while it waits
+    state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:
