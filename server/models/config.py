@@ -131,6 +131,9 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()
     qk_l2_norm: bool = False
     attn_temperature: tuple[float, float] | None = None
+    # RoPE over interleaved pairs (Llama 4): q/k rows (weights, adapters) are reordered at
+    # load into the rotate-half layout the RoPE kernels rotate (rotary.interleaved_to_halves)
+    interleaved_rope: bool = False
     # what the checkpoint's weight names start with ("language_model." for the text model
     # of a conditional-generation checkpoint, whose other weights are ignored)
     checkpoint_prefix: str = ""
@@ -385,6 +388,7 @@ def _llama4_settings(hf: Any) -> dict[str, Any]:
         chunked_layers=chunked,
         nope_layers=tuple(i for i in layers if not rotates[i]),
         qk_l2_norm=bool(hf.use_qk_norm),
+        interleaved_rope=True,
         attn_temperature=((float(hf.floor_scale), float(hf.attn_scale))
                           if hf.attn_temperature_tuning else None),
     )
