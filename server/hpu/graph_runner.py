@@ -39,6 +39,10 @@ class ForwardInputs:
     num_seqs: int  # real rows; the rest is padding
     # --enable-lora: each token's adapter slot ([bs * q], 0: none); None without LoRA
     lora_slots: torch.Tensor | None = None
+    # vision-language prefills: image rows ([bs * q, hidden]) where mm_mask ([bs * q, 1])
+    # is set, replacing those tokens' embeddings; None in decodes and text-only models
+    mm_embeds: torch.Tensor | None = None
+    mm_mask: torch.Tensor | None = None
 
 
 ForwardFn = Callable[[ForwardInputs], torch.Tensor]

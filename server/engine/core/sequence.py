@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.lora.request import LoRARequest
+from server.engine.multimodal.inputs import ImageSpan
 from server.engine.outputs import FinishReason, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.hpu.types import Phase
@@ -57,6 +58,8 @@ class Sequence:
     client: str = ""
     # the adapter it runs with (--enable-lora; None: the base model)
     lora: LoRARequest | None = None
+    # its prompt's images: where their placeholder tokens sit, their hashes and pixels
+    images: tuple[ImageSpan, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from server.config import EngineConfig, SchedulerLimits
 from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.lora.manager import LoRAManager, lora_dtype
+from server.engine.multimodal.encoder import VisionEncoder
 from server.engine.outputs import ModelRunnerOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
@@ -64,8 +65,10 @@ class ModelForward:
         self.kv_caches = kv_caches
 
     def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
+        images = ({} if inputs.mm_embeds is None
+                  else {"mm_embeds": inputs.mm_embeds, "mm_mask": inputs.mm_mask})
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                            inputs.lora_slots)
+                            inputs.lora_slots, **images)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.logits_indices)
         return self.model.compute_logits(hidden)
 
@@ -117,6 +120,16 @@ class ModelRunner:
                                     slots if wrap_lora is None else wrap_lora(slots))
             logger.info("LoRA: %d slots of rank %d, %.1f MiB", slots.num_slots,
                         slots.max_rank, slots.nbytes / 2**20)
+        # a vision-language model: the encoder phase of prefills, its buckets and cache
+        self.vision: VisionEncoder | None = None
+        if loaded.vision is not None:
+            per_image = loaded.vision.config.tokens_per_image
+            self.vision = VisionEncoder(
+                loaded.vision, mode, self.counters, platform.device, loaded.dtype,
+                max_images=min(config.multimodal.image_limit * limits.max_num_seqs,
+                               max(1, limits.max_num_batched_tokens // per_image)),
+                cache_images=config.multimodal.mm_encoder_cache_images)
+            logger.info("%s", self.vision.describe())
         # every rank must hold the same blocks (rank 0's block tables address them all)
         self.num_blocks = parallel.min_int(self._num_blocks(config, loaded, limits))
         self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
@@ -218,6 +231,8 @@ class ModelRunner:
         if self.lora is not None:
             inputs = self._with_lora(inputs, seqs, new_tokens,
                                      phase is Phase.PREFILL and self.packs_tokens)
+        if self.vision is not None and phase is Phase.PREFILL:
+            inputs = self._with_images(inputs, seqs, new_tokens)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         scored = scored_chunks(seqs, new_tokens) if phase is Phase.PREFILL else []
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
@@ -294,9 +309,22 @@ class ModelRunner:
             slots = torch.tensor(rows + [0] * (bs - len(rows))).repeat_interleave(q)
         return dataclasses.replace(inputs, lora_slots=slots.to(self.platform.device))
 
+    def _with_images(self, inputs: ForwardInputs, seqs: list[Sequence],
+                     new_tokens: list[int]) -> ForwardInputs:
+        """A vision-language prefill: the encoder phase (the images its chunks reach,
+        encoded or found in the cache), then their rows in place of the placeholders'
+        embeddings. Every prefill carries the rows, image or not: one graph per bucket."""
+        assert self.vision is not None
+        starts = flat_starts(inputs, new_tokens, self.packs_tokens)
+        embeds, mask = self.vision.rows(seqs, new_tokens, starts, inputs.input_ids.numel())
+        return dataclasses.replace(inputs, mm_embeds=embeds, mm_mask=mask)
+
     def _dummy(self, phase: Phase, bucket: Bucket) -> ForwardInputs:
-        """Warmup inputs of a bucket; with LoRA, a slot per token (graphs take them)."""
+        """Warmup inputs of a bucket; with LoRA, a slot per token (graphs take them); for a
+        vision model's prefills, blank image rows."""
         inputs = self.inputs.dummy(phase, bucket)
+        if self.vision is not None and phase is Phase.PREFILL:
+            inputs = self._with_images(inputs, [], [])
         if self.lora is None:
             return inputs
         return dataclasses.replace(inputs, lora_slots=torch.zeros(
@@ -326,7 +354,10 @@ class ModelRunner:
                             lambda: self.platform.free_memory_bytes()[0])
         logger.info("Execution mode: %s", self.graphs.description)
         with torch.inference_mode():
-            seconds = run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+            began = time.monotonic()
+            if self.vision is not None and not self.warmup_config.skip:
+                self.vision.warmup()  # before run_warmup moves the counters to serving
+            seconds = time.monotonic() - began + run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
         self._free_after_warmup = self.platform.free_memory_bytes()[0]
         return seconds
 
@@ -437,9 +468,14 @@ class ModelRunner:
         per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        cache.block_size, self.kv_dtype)
         per_seq = blocks_for(limits.max_model_len, cache.block_size)
+        budget = self.platform.kv_cache_budget_bytes(cache)
+        if self.vision is not None:  # the encoder's working memory at its largest bucket
+            encoder = self.vision.activation_bytes()
+            logger.info("Vision encoder activations: %.1f MiB kept out of the KV cache",
+                        encoder / 2**20)
+            budget -= encoder
         # No use holding more than every sequence at full length.
-        return num_kv_blocks(self.platform.kv_cache_budget_bytes(cache), per_block,
-                             limits.max_num_seqs * per_seq, per_seq)
+        return num_kv_blocks(budget, per_block, limits.max_num_seqs * per_seq, per_seq)
 
 
 def bucket_label(phase: Phase, bucket: Bucket) -> str:
