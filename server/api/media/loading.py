@@ -112,6 +112,9 @@ def decode_image(data: bytes, rules: VisionInfo, param: str) -> Any:
     """Decodes ``data`` after its header passed the checks (format, pixel count)."""
     from PIL import Image, UnidentifiedImageError
 
+    # this check replaces Pillow's own (Image.MAX_IMAGE_PIXELS, the same 89.5 megapixels by
+    # default): Pillow's raises inside open() without the size, ours names it
+    Image.MAX_IMAGE_PIXELS = None
     try:
         image = Image.open(io.BytesIO(data), formats=list(FORMATS))
     except UnidentifiedImageError:
