@@ -23,20 +23,12 @@ from prometheus_client import CollectorRegistry, Counter
 from server.config import ExecutionMode
 from server.engine.core.sequence import Sequence
 from server.engine.multimodal.inputs import ImageSpan
+from server.hpu.buckets.encoder import encoder_buckets, format_encoder_plan
 from server.hpu.counters import DeviceCounters
 from server.hpu.types import SyncPoint
 from server.models.vision import LlavaVision
 
 logger = logging.getLogger(__name__)
-
-
-def encoder_buckets(max_images: int) -> list[int]:
-    """Images per encoder call: powers of two up to ``max_images``, and ``max_images``."""
-    sizes, n = [], 1
-    while n < max_images:
-        sizes.append(n)
-        n *= 2
-    return sizes + [max_images]
 
 
 class EncoderCache:
@@ -101,9 +93,8 @@ class VisionEncoder:
 
     def describe(self) -> str:
         c, h, w = self.pixel_shape
-        patches = self.vision.config.num_patches
-        return (f"Encoder buckets (images per call x patches per image): "
-                f"{[(n, patches) for n in self.buckets]} ({c}x{h}x{w} pixels each)")
+        return format_encoder_plan(self.buckets, self.vision.config.num_patches,
+                                   f"{c}x{h}x{w}")
 
     def warmup(self) -> None:
         """Compiles every encoder bucket (before the port opens)."""

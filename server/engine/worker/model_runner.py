@@ -32,6 +32,7 @@ from server.engine.worker.rejection import verify, verify_rows
 from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.worker.sleep import DeviceMemory, WeightLoader
 from server.hpu.buckets.adaptive import AdaptiveBuckets
+from server.hpu.buckets.encoder import max_encoder_images
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
 from server.hpu.buckets.plan import (
     decode_buckets,
@@ -123,11 +124,11 @@ class ModelRunner:
         # a vision-language model: the encoder phase of prefills, its buckets and cache
         self.vision: VisionEncoder | None = None
         if loaded.vision is not None:
-            per_image = loaded.vision.config.tokens_per_image
             self.vision = VisionEncoder(
                 loaded.vision, mode, self.counters, platform.device, loaded.dtype,
-                max_images=min(config.multimodal.image_limit * limits.max_num_seqs,
-                               max(1, limits.max_num_batched_tokens // per_image)),
+                max_images=max_encoder_images(
+                    config.multimodal.image_limit, limits.max_num_seqs,
+                    limits.max_num_batched_tokens, loaded.vision.config.tokens_per_image),
                 cache_images=config.multimodal.mm_encoder_cache_images)
             logger.info("%s", self.vision.describe())
         # every rank must hold the same blocks (rank 0's block tables address them all)
