@@ -131,3 +131,41 @@ def test_bad_images_are_400s_naming_the_problem(server, client) -> None:
     assert _peak_rss_kib(server.proc.pid) - rss_before < 200 * 1024
     assert httpx.get(server.base_url + "/health").status_code == 200
     assert _chat(client, [_part(data_uri(random_image(20, 20, 6)))])  # still serving
+
+
+@pytest.mark.slow  # compiles every bucket before the port opens (~3 min on two cores)
+def test_compile_mode_through_the_sdk_compiles_nothing_while_serving(
+        tiny_llava, start_server_fn, tmp_path) -> None:
+    import random
+
+    buckets = tmp_path / "buckets.txt"
+    buckets.write_text("# prompt buckets\n(1, [48, 96], 0)\n"
+                       "# decode buckets\n([1, 2], 1, [8, 32])\n")
+    srv = start_server_fn(tiny_llava[0], "--dtype", "float32", "--block-size", "8",
+                          "--execution-mode", "compile", "--max-model-len", "128",
+                          "--max-num-seqs", "2", "--served-model-name", "tiny-llava",
+                          "--limit-mm-per-prompt", '{"image": 2}',
+                          env={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+        rng = random.Random(1)
+        for i in range(6):
+            images = [random_image(rng.randint(8, 160), rng.randint(8, 160), 300 + 2 * i + k)
+                      for k in range(rng.choice([1, 2]))]
+            content = [_part(data_uri(image)) for image in images]
+            content.append({"type": "text", "text": "the fox"})
+            assert _chat(client, content) == _expected(tiny_llava, content, images)
+        metrics = httpx.get(srv.base_url + "/metrics").text
+        serving = [line for line in metrics.splitlines()
+                   if line.startswith("hpu_serve:graph_compilations_total")
+                   and 'stage="serving"' in line]
+        assert serving and all(float(line.split()[-1]) == 0 for line in serving), serving
+        encoder = [line for line in metrics.splitlines()
+                   if line.startswith("hpu_serve:graph_compilations_total")
+                   and 'phase="encoder"' in line and 'stage="warmup"' in line]
+        assert float(encoder[0].split()[-1]) == 3  # the buckets of 1, 2 and 4 images
+        misses = [line for line in metrics.splitlines()
+                  if line.startswith("hpu_serve:bucket_misses_total")]
+        assert misses and all(float(line.split()[-1]) == 0 for line in misses), misses
+    finally:
+        srv.stop()
