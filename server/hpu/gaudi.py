@@ -43,18 +43,19 @@ def flatten_inputs(inputs: ForwardInputs) -> FlatInputs:
     into the captured graph: tensors inside an object would keep their captured values."""
     meta = inputs.meta
     tensors = (inputs.input_ids, inputs.positions, inputs.logits_indices, inputs.lora_slots,
+               inputs.mm_embeds, inputs.mm_mask,
                *(getattr(meta, name) for name in _META_TENSORS))
     return tensors, (meta.is_prompt, meta.block_size)
 
 
 def unflatten_inputs(tensors: tuple[torch.Tensor | None, ...],
                      static: tuple[bool, int]) -> ForwardInputs:
-    input_ids, positions, logits_indices, lora_slots, *meta_tensors = tensors
+    input_ids, positions, logits_indices, lora_slots, mm_embeds, mm_mask, *meta_tensors = tensors
     assert input_ids is not None and positions is not None and logits_indices is not None
     meta = AttentionMetadata(static[0], static[1],
                              **dict(zip(_META_TENSORS, meta_tensors)))  # type: ignore[arg-type]
     return ForwardInputs(input_ids, positions, meta, logits_indices, input_ids.shape[0],
-                         lora_slots)
+                         lora_slots, mm_embeds, mm_mask)
 
 
 class ForwardModule(torch.nn.Module):
