@@ -106,3 +106,15 @@ def test_prefix_cache_keeps_images_apart_and_encoder_cache_hits(tiny_llava) -> N
     hits = encoder.hits
     run("<|user|>numbers<image>\n</s><|assistant|>", b)  # no shared prefix, a known image
     assert encoder.hits == hits + 1
+
+
+@pytest.mark.slow  # 4 prompts through a cache too small for them (~15 s on two cores)
+def test_preempted_image_prompts_recompute_with_their_images(tiny_llava, references) -> None:
+    """A KV cache too small for every prompt at once: sequences are preempted and their
+    prompts (images included) computed again, the encoder cache holding one image only
+    (the others are encoded again from the pixels each sequence keeps)."""
+    llm = LLM(tiny_llava[0], dtype="float32", block_size=8, enforce_eager=True,
+              max_model_len=128, max_num_seqs=4, num_gpu_blocks_override=16,
+              environ={"HPU_SERVE_ENCODER_CACHE_IMAGES": "1"})
+    assert _generate(llm, cases()) == references
+    assert llm.engine.scheduler.num_preemptions > 0
