@@ -123,7 +123,8 @@ class VisionEncoder:
             batch = torch.zeros(size, *self.pixel_shape, dtype=self.dtype, device=self.device)
             batch[:len(group)] = torch.stack(group).to(self.device, self.dtype)
             rows = self._call(batch)
-            out += list(rows[:len(group)])
+            # copies: a view would keep the whole padded batch alive in the cache
+            out += [r.clone() for r in rows[:len(group)]]
         return out
 
     def rows(self, seqs: Seq[Sequence], new_tokens: Seq[int], starts: Seq[int], total: int
