@@ -2,7 +2,7 @@
 concurrency 1 and 16, hpu-serve's engine against transformers on the same cores (CPU).
 
     python benchmarks/images.py [--model LLAVA_FOLDER] [--requests 32] [--threads N]
-        [--execution-mode auto|eager|compile]
+        [--execution-mode auto|eager|compile] [--max-num-batched-tokens N]
 
 Without ``--model`` a random LLaVA is built (CLIP tower 6 x 256 wide, 112-pixel images in
 14-pixel patches: 64 image tokens; Llama text model 6 x 512 wide) with the tests' tokenizer.
@@ -114,6 +114,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--execution-mode", default="auto")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the step's token budget (default: the engine's, 512 on CPU)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,7 +129,8 @@ def main() -> None:
         folder, dtype=torch.float32).eval()
     processor = transformers.AutoProcessor.from_pretrained(folder)
     llm = LLM(folder, dtype="float32", max_model_len=512, max_num_seqs=16,
-              execution_mode=args.execution_mode, limit_mm_per_prompt='{"image": 1}')
+              execution_mode=args.execution_mode, limit_mm_per_prompt='{"image": 1}',
+              max_num_batched_tokens=args.max_num_batched_tokens)
     text = prompt_text(llm.tokenizer)
     # warm both once (first-call allocations, oneDNN primitives)
     run_ours(llm, text, [images(2, 99)])

