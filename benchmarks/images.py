@@ -1,8 +1,8 @@
 """Image prompts: images/s and time to first token for 1 image + 64 text tokens, at
 concurrency 1 and 16, hpu-serve's engine against transformers on the same cores (CPU).
 
-    python benchmarks/images.py [--model LLAVA_FOLDER] [--requests 32] [--threads N]
-        [--execution-mode auto|eager|compile] [--max-num-batched-tokens N]
+    python benchmarks/images.py [--model LLAVA_FOLDER] [--requests 16] [--rounds 3]
+        [--threads N] [--execution-mode auto|eager|compile] [--max-num-batched-tokens N]
 
 Without ``--model`` a random LLaVA is built (CLIP tower 6 x 256 wide, 112-pixel images in
 14-pixel patches: 64 image tokens; Llama text model 6 x 512 wide) with the tests' tokenizer.
@@ -10,7 +10,9 @@ Every request carries its own image (no encoder cache hit) and generates one tok
 time is the prefill's: processor + vision encoder + prompt. Concurrency 1: requests one at
 a time, TTFT per request; concurrency 16: 16 requests at once (hpu-serve: one engine batch,
 TTFT from each request's arrival to its first token; transformers: one padded batch through
-``generate``). Prints each side's images/s and mean TTFT and their ratios.
+``generate``). The sides alternate round by round (ours then theirs, then theirs then
+ours...), so a noisy host's load falls on both; prints each side's median images/s and mean
+TTFT over the rounds, and their ratios.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a LLaVA folder (default: a random one built here)")
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=16, help="images per round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--execution-mode", default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -135,16 +138,26 @@ def main() -> None:
     # warm both once (first-call allocations, oneDNN primitives)
     run_ours(llm, text, [images(2, 99)])
     run_transformers(model, processor, text, [images(2, 99)])
-    print(f"threads {torch.get_num_threads()}, {args.requests} requests per run, "
-          f"1 image + {TEXT_TOKENS} text tokens, first token only")
+    print(f"threads {torch.get_num_threads()}, {args.rounds} rounds of {args.requests} "
+          f"requests per side, 1 image + {TEXT_TOKENS} text tokens, first token only, "
+          f"step budget {llm.engine.limits.max_num_batched_tokens} tokens")
     print(f"{'concurrency':>11} {'side':>12} {'images/s':>9} {'TTFT ms':>9}")
     for concurrency in (1, 16):
-        pics = images(args.requests, seed=concurrency)
-        batches = [pics[i:i + concurrency] for i in range(0, len(pics), concurrency)]
-        ours = run_ours(llm, text, batches)
-        theirs = run_transformers(model, processor, text, batches)
-        for side, (rate, ttft) in (("hpu-serve", ours), ("transformers", theirs)):
-            print(f"{concurrency:>11} {side:>12} {rate:>9.1f} {ttft * 1e3:>9.1f}")
+        results: dict[str, list[tuple[float, float]]] = {"hpu-serve": [], "transformers": []}
+        for r in range(args.rounds):
+            pics = images(args.requests, seed=1000 * concurrency + r)
+            batches = [pics[i:i + concurrency] for i in range(0, len(pics), concurrency)]
+            sides = [("hpu-serve", lambda b=batches: run_ours(llm, text, b)),
+                     ("transformers", lambda b=batches: run_transformers(model, processor,
+                                                                          text, b))]
+            for side, run in (sides if r % 2 == 0 else sides[::-1]):
+                results[side].append(run())
+        medians = {side: (statistics.median(x[0] for x in got),
+                          statistics.median(x[1] for x in got))
+                   for side, got in results.items()}
+        for side, (rate, ttft) in medians.items():
+            print(f"{concurrency:>11} {side:>12} {rate:>9.2f} {ttft * 1e3:>9.1f}")
+        ours, theirs = medians["hpu-serve"], medians["transformers"]
         print(f"{concurrency:>11} {'ratio':>12} {ours[0] / theirs[0]:>8.2f}x "
               f"{theirs[1] / ours[1]:>8.2f}x  (images/s ours/theirs, TTFT theirs/ours)")
 
