@@ -14,6 +14,8 @@ from server.config import (
     BucketingConfig,
     CacheConfig,
     EngineConfig,
+    ModelOptions,
+    MultiModalConfig,
     PoolingConfig,
     Runner,
     SchedulerConfig,
@@ -56,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
               defaults={"max_model_len": PLAN_MAX_MODEL_LEN})
     add_flags(buckets, BucketFitOptions)
     add_flags(buckets, SpeculativeConfig)
+    # a vision model's encoder buckets: its folder's config.json (no weights) and the limit
+    add_flags(buckets, ModelOptions, only=("model",))
+    add_flags(buckets, MultiModalConfig, only=("limit_mm_per_prompt",))
     # a pooling model's plan is (batch, length) shapes of whole inputs, not prompt buckets
     add_flags(buckets, PoolingConfig, only=("runner", "convert", "task"))
     batch = sub.add_parser("run-batch", help="answer an OpenAI batch file offline (vLLM's "
@@ -136,7 +141,36 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
     verify = (verify_buckets(ranges, spec.query_len, spec.disable_by_batch_size)
               if spec is not None else None)
     print(format_plan(ranges, verify))
+    encoder = encoder_plan(args, batched)
+    if encoder:
+        print(encoder)
     return 0
+
+
+def encoder_plan(args: argparse.Namespace, max_num_batched_tokens: int) -> str | None:
+    """A vision model's encoder buckets, from its config.json alone (None: no model given,
+    or a text-only one)."""
+    model = args.model_flag or args.model
+    if not model:
+        return None
+    from server.hpu.buckets.encoder import (
+        encoder_buckets,
+        format_encoder_plan,
+        max_encoder_images,
+    )
+    from server.models.loader import load_vision_config, resolve_model_source
+
+    try:
+        cfg = load_vision_config(resolve_model_source(model))
+        limit = MultiModalConfig(limit_mm_per_prompt=args.limit_mm_per_prompt).image_limit
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if cfg is None:
+        return None
+    buckets = encoder_buckets(max_encoder_images(limit, args.max_num_seqs,
+                                                 max_num_batched_tokens, cfg.tokens_per_image))
+    return format_encoder_plan(buckets, cfg.num_patches,
+                               f"{cfg.num_channels}x{cfg.image_size}x{cfg.image_size}")
 
 
 def print_pooling_buckets(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ from server.config.engine import (
 from server.config.logging import LogFormat, LoggingConfig
 from server.config.lora import LoRAConfig
 from server.config.model import CacheConfig, GiB, ModelOptions
+from server.config.multimodal import MultiModalConfig
 from server.config.pooling import Convert, PoolingConfig, Runner
 from server.config.responses import ResponsesStoreConfig
 from server.config.scheduler import MIN_BATCHED_TOKENS, SchedulerConfig, SchedulerLimits
@@ -51,6 +52,7 @@ __all__ = [
     "MIN_BATCHED_TOKENS", "BatchOptions", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
     "ChatOptions", "Convert", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode",
     "FairShare", "GiB", "LoRAConfig", "LogFormat", "LoggingConfig", "ModelOptions",
+    "MultiModalConfig",
     "OtlpProtocol", "ParallelConfig", "PoolingConfig", "RequestLimits", "ResponsesStoreConfig",
     "Runner", "SchedulerConfig", "SpecMethod", "SpeculativeConfig", "SpeculativeSettings",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",

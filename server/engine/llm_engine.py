@@ -6,6 +6,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -13,7 +15,8 @@ from server.cache_dir import writable_cache_dir
 from server.config import EngineConfig, ModelOptions
 from server.engine.core.block_manager import BlockManager
 from server.engine.core.scheduler import Scheduler, Speculation
-from server.engine.core.sequence import ScheduledBatch, Sequence
+from server.engine.core.sequence import ScheduledBatch
+from server.engine.core.sequence import Sequence as Seq
 from server.engine.core.state_cache import StateSlots
 from server.engine.errors import EngineFaultError, EngineSleepingError, RequestError
 from server.engine.executor import FaultListener, RankExecutor, make_executor
@@ -21,6 +24,8 @@ from server.engine.input_processor import InputProcessor
 from server.engine.iteration_stats import IterationTokens
 from server.engine.lora.registry import LoRARegistry
 from server.engine.lora.request import LoRARequest
+from server.engine.multimodal.inputs import VisionInfo
+from server.engine.multimodal.processor import ImageInputProcessor
 from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
 from server.engine.request_state import RequestState
@@ -138,9 +143,18 @@ class LLMEngine:
         self._structured: StructuredOutputs | None = None
         self._structured_config = config.structured_outputs
         self._structured_lock = threading.Lock()
+        # a vision-language model: its processor, and what the API needs to know of it
+        mm = config.multimodal
+        self.vision: VisionInfo | None = None
+        images = None
+        if loaded.vision is not None:
+            images = ImageInputProcessor(source.folder, loaded.vision.config, mm.image_limit)
+            self.vision = VisionInfo(mm.image_limit, mm.allowed_local_media_path,
+                                     mm.image_fetch_timeout, mm.max_image_bytes,
+                                     mm.max_image_pixels)
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size,
                                               self.limits, block_size, self.runner.num_blocks,
-                                              self.structured_outputs)
+                                              self.structured_outputs, images)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.limits.max_model_len)
         self._failed_steps = 0
@@ -187,10 +201,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         client: str = "",
         lora_request: LoRARequest | None = None,
+        images: Sequence[Any] = (),
     ) -> None:
-        """Validates and queues a request; raises RequestError if it can never be served."""
+        """Validates and queues a request; raises RequestError if it can never be served.
+        ``images``: the prompt's images (PIL), one per image placeholder token."""
         self.enqueue(self.prepare(request_id, prompt, params, arrival_time, client,
-                                  lora_request=lora_request))
+                                  lora_request=lora_request, images=images))
 
     def prepare(
         self,
@@ -201,6 +217,7 @@ class LLMEngine:
         client: str = "",
         grammar: bool = True,
         lora_request: LoRARequest | None = None,
+        images: Sequence[Any] = (),
     ) -> RequestState:
         """Tokenizes and validates without touching engine state: safe from any thread.
         ``grammar=False``: the constraint is only checked, for the caller to compile
@@ -208,7 +225,7 @@ class LLMEngine:
         if lora_request is not None:  # read and checked here, off the engine thread
             self.add_lora(lora_request)
         return self.input_processor.process(request_id, prompt, params, arrival_time, client,
-                                            grammar, lora_request)
+                                            grammar, lora_request, images)
 
     def enqueue(self, state: RequestState) -> None:
         """Queues a prepared request (engine thread only)."""
@@ -316,7 +333,7 @@ class LLMEngine:
         one request ends that request only. Re-running is safe: nothing was committed (the
         KV slots are rewritten with the same values). Steps in which nothing succeeds point
         at the device, not at a request; after a few in a row the engine gives up."""
-        by_request: dict[str, list[Sequence]] = {}
+        by_request: dict[str, list[Seq]] = {}
         for seq in batch.seqs:
             by_request.setdefault(seq.request_id, []).append(seq)
         outputs: list[RequestOutput] = []

@@ -191,9 +191,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         lora_slots: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
+        mm_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``;
-        ``lora_slots``: each token's adapter slot (0: none), with :meth:`enable_lora`."""
+        ``lora_slots``: each token's adapter slot (0: none), with :meth:`enable_lora`;
+        ``mm_embeds`` ``[bs * q, hidden]``: rows that replace the embeddings of the tokens
+        ``mm_mask`` ``[bs * q, 1]`` marks (a vision-language prompt's image tokens)."""
         x = self.embed_tokens(input_ids)
         cfg = self.config
         if cfg.embedding_multiplier != 1.0:  # Granite, Gemma
@@ -201,6 +205,10 @@ class LlamaForCausalLM(nn.Module):
                 x = x * torch.tensor(cfg.embedding_multiplier, dtype=x.dtype)
             else:
                 x = x * cfg.embedding_multiplier
+        if mm_embeds is not None and mm_mask is not None:
+            # a select, not a scatter: the same graph whatever the number of image tokens
+            x = torch.where(mm_mask.view(*x.shape[:2], 1),
+                            mm_embeds.view(x.shape).to(x.dtype), x)
         rope = self.rotary(positions.reshape(-1), x.dtype)
         local_rope = (self.rotary_local(positions.reshape(-1), x.dtype)
                       if self.rotary_local is not None else rope)

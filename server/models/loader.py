@@ -42,6 +42,8 @@ from server.models.safetensors_files import (
     safetensors_tensors,
 )
 from server.models.tensor_parallel import ShardPlan, build_model
+from server.models.vision import LlavaVision, VisionConfig, build_vision, vision_config_of
+from server.models.vision.llava import load_vision, text_tensor_name, vision_tensor_name
 from server.models.weight_load import TensorOrigin, load_into
 
 logger = logging.getLogger(__name__)
@@ -102,7 +104,27 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     except (OSError, ValueError) as exc:  # unreadable JSON, a config.json gone meanwhile
         raise model_file_error(Path(source.folder, "config.json"),
                                str(exc).splitlines()[0]) from None
-    return ModelConfig.from_hf(hf)
+    return ModelConfig.from_hf(_text_config(hf))
+
+
+def load_vision_config(source: ModelSource) -> VisionConfig | None:
+    """The checkpoint's vision tower settings; None for a text-only model."""
+    if source.is_gguf:
+        return None
+    from transformers import AutoConfig
+
+    return vision_config_of(AutoConfig.from_pretrained(source.folder))
+
+
+def _text_config(hf: object) -> object:
+    """A vision-language config's language model (its text_config, which inherits the
+    checkpoint dtype when it names none); a text-only config as it is."""
+    text = getattr(hf, "text_config", None)
+    if text is None or getattr(hf, "vision_config", None) is None:
+        return hf
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(hf, "dtype", None)
+    return text
 
 
 def _gguf_reader(source: ModelSource) -> object:
@@ -140,6 +162,8 @@ class LoadedModel:
     seconds: float
     # tensor parallelism: which slices this rank holds (None: the whole model)
     plan: ShardPlan | None = None
+    # a vision-language checkpoint's tower and projector (None: text only)
+    vision: LlavaVision | None = None
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device,
@@ -150,7 +174,11 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     start = time.monotonic()
     reader = _gguf_reader(source) if source.is_gguf else None
     full_cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
-    check_checkpoint(source, full_cfg, reader)  # before anything is allocated
+    vision_cfg = load_vision_config(source)
+    if vision_cfg is not None and parallel.world_size > 1:
+        raise ValueError("vision-language models do not support --tensor-parallel-size > 1 "
+                         "yet")
+    check_checkpoint(source, full_cfg, reader, vision_cfg)  # before anything is allocated
     torch_dtype = resolve_dtype(dtype, full_cfg, source, device.type)
     with torch.device("meta"):
         model, cfg, plan = build_model(full_cfg, parallel)
@@ -164,18 +192,31 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    split = VisionSplit()
     if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
         # the rank's bytes only
         tensors = plan.read(text_part(safetensors_slices(Path(source.folder)), cfg, log=True))
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
                    else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
+        if vision_cfg is not None:  # the vision tower's tensors kept aside
+            tensors = split.text(tensors)
         tensors = _canonical(tensors, cfg)
         if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
             # gpt-oss's interleaved experts)
             tensors = plan.shard(tensors)
     load_into(model, tensors, _origin(source))
     model.eval()
+    vision = None
+    if vision_cfg is not None:
+        vision = build_vision(vision_cfg).to(device)
+        load_vision(vision, split.vision, source.folder)
+        vision.to(torch_dtype).eval()
+        logger.info("Vision tower: %s, %d layers of width %d, %d image tokens of %dx%d "
+                    "pixels, %.1fM params", vision_cfg.family, vision_cfg.layers_run,
+                    vision_cfg.hidden_size, vision_cfg.tokens_per_image,
+                    vision_cfg.image_size, vision_cfg.image_size,
+                    sum(p.numel() for p in vision.parameters()) / 1e6)
     params = {id(p): p for p in model.parameters()}.values()
     num_params = sum(p.numel() for p in params)
     num_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -193,7 +234,24 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
                     full_cfg.num_heads, plan.kv_heads, full_cfg.num_kv_heads,
                     plan.kv_replicas, plan.vocab_start,
                     plan.vocab_start + plan.vocab_per_rank - 1)
-    return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds, plan)
+    return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds, plan, vision)
+
+
+class VisionSplit:
+    """Parts a vision-language checkpoint's tensor stream: the language model's tensors
+    pass on under the Llama loader's names, the vision tower's are kept aside."""
+
+    def __init__(self) -> None:
+        self.vision: dict[str, torch.Tensor] = {}
+
+    def text(self, tensors: Iterator[tuple[str, torch.Tensor]]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            vision_name = vision_tensor_name(name)
+            if vision_name is not None:
+                self.vision[vision_name] = tensor
+            else:
+                yield text_tensor_name(name), tensor
 
 
 def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:
@@ -217,7 +275,8 @@ def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4We
     return weights
 
 
-def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | None) -> None:
+def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | None,
+                     vision_cfg: VisionConfig | None = None) -> None:
     """Every checkpoint tensor's name and shape against the model ``cfg`` describes, and
     every weight of that model present, from the files' headers only (meta tensors: nothing
     is read or allocated), so that a damaged or mismatched checkpoint fails in one line
@@ -229,7 +288,12 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
                    else text_part(safetensors_shapes(Path(source.folder), origin.names), cfg))
+        split = VisionSplit()
+        if vision_cfg is not None:
+            tensors = split.text(tensors)
         load_into(model, _canonical(tensors, cfg), origin, dry_run=True)
+        if vision_cfg is not None:
+            load_vision(build_vision(vision_cfg), split.vision, source.folder, dry_run=True)
 
 
 def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig

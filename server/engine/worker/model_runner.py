@@ -22,6 +22,7 @@ from server.config import EngineConfig, SchedulerLimits
 from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.lora.manager import LoRAManager, lora_dtype
+from server.engine.multimodal.encoder import VisionEncoder
 from server.engine.outputs import ModelRunnerOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
@@ -31,6 +32,7 @@ from server.engine.worker.rejection import verify, verify_rows
 from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.worker.sleep import DeviceMemory, WeightLoader
 from server.hpu.buckets.adaptive import AdaptiveBuckets
+from server.hpu.buckets.encoder import max_encoder_images
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
 from server.hpu.buckets.plan import (
     decode_buckets,
@@ -68,8 +70,10 @@ class ModelForward:
 
     def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
         if self.state_caches is None:
+            images = ({} if inputs.mm_embeds is None
+                      else {"mm_embeds": inputs.mm_embeds, "mm_mask": inputs.mm_mask})
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.meta, inputs.lora_slots)
+                                inputs.meta, inputs.lora_slots, **images)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.meta, None, self.state_caches, inputs.state)
@@ -148,6 +152,16 @@ class ModelRunner:
                         "state after a prefix is not cached: every prompt is computed "
                         "whole)%s", "; --enable-prefix-caching does not apply"
                         if config.cache.enable_prefix_caching else "")
+        # a vision-language model: the encoder phase of prefills, its buckets and cache
+        self.vision: VisionEncoder | None = None
+        if loaded.vision is not None:
+            self.vision = VisionEncoder(
+                loaded.vision, mode, self.counters, platform.device, loaded.dtype,
+                max_images=max_encoder_images(
+                    config.multimodal.image_limit, limits.max_num_seqs,
+                    limits.max_num_batched_tokens, loaded.vision.config.tokens_per_image),
+                cache_images=config.multimodal.mm_encoder_cache_images)
+            logger.info("%s", self.vision.describe())
         # every rank must hold the same blocks (rank 0's block tables address them all)
         self.kv_layout = cfg.kv_layout
         logger.info("KV cache layout: %s", self.kv_layout.describe(self.kv_dtype))
@@ -259,6 +273,8 @@ class ModelRunner:
         if self.lora is not None:
             inputs = self._with_lora(inputs, seqs, new_tokens,
                                      phase is Phase.PREFILL and self.packs_tokens)
+        if self.vision is not None and phase is Phase.PREFILL:
+            inputs = self._with_images(inputs, seqs, new_tokens)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         scored = scored_chunks(seqs, new_tokens) if phase is Phase.PREFILL else []
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
@@ -335,9 +351,22 @@ class ModelRunner:
             slots = torch.tensor(rows + [0] * (bs - len(rows))).repeat_interleave(q)
         return dataclasses.replace(inputs, lora_slots=slots.to(self.platform.device))
 
+    def _with_images(self, inputs: ForwardInputs, seqs: list[Sequence],
+                     new_tokens: list[int]) -> ForwardInputs:
+        """A vision-language prefill: the encoder phase (the images its chunks reach,
+        encoded or found in the cache), then their rows in place of the placeholders'
+        embeddings. Every prefill carries the rows, image or not: one graph per bucket."""
+        assert self.vision is not None
+        starts = flat_starts(inputs, new_tokens, self.packs_tokens)
+        embeds, mask = self.vision.rows(seqs, new_tokens, starts, inputs.input_ids.numel())
+        return dataclasses.replace(inputs, mm_embeds=embeds, mm_mask=mask)
+
     def _dummy(self, phase: Phase, bucket: Bucket) -> ForwardInputs:
-        """Warmup inputs of a bucket; with LoRA, a slot per token (graphs take them)."""
+        """Warmup inputs of a bucket; with LoRA, a slot per token (graphs take them); for a
+        vision model's prefills, blank image rows."""
         inputs = self.inputs.dummy(phase, bucket)
+        if self.vision is not None and phase is Phase.PREFILL:
+            inputs = self._with_images(inputs, [], [])
         if self.lora is None:
             return inputs
         return dataclasses.replace(inputs, lora_slots=torch.zeros(
@@ -367,7 +396,10 @@ class ModelRunner:
                             lambda: self.platform.free_memory_bytes()[0])
         logger.info("Execution mode: %s", self.graphs.description)
         with torch.inference_mode():
-            seconds = run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+            began = time.monotonic()
+            if self.vision is not None and not self.warmup_config.skip:
+                self.vision.warmup()  # before run_warmup moves the counters to serving
+            seconds = time.monotonic() - began + run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
         self._free_after_warmup = self.platform.free_memory_bytes()[0]
         return seconds
 
@@ -476,9 +508,14 @@ class ModelRunner:
             return cache.num_blocks_override
         per_block = loaded.config.kv_layout.bytes_per_block(cache.block_size, self.kv_dtype)
         per_seq = blocks_for(limits.max_model_len, cache.block_size)
+        budget = self.platform.kv_cache_budget_bytes(cache)
+        if self.vision is not None:  # the encoder's working memory at its largest bucket
+            encoder = self.vision.activation_bytes()
+            logger.info("Vision encoder activations: %.1f MiB kept out of the KV cache",
+                        encoder / 2**20)
+            budget -= encoder
         # No use holding more than every sequence at full length. The state cache (hybrid
         # models) comes out of the same budget.
-        budget = self.platform.kv_cache_budget_bytes(cache)
         if self.state_cache_bytes and self.state_cache_bytes + 2 * per_block > budget:
             raise RuntimeError(
                 f"the state cache ({self.num_state_slots} slots, one per --max-num-seqs, "
