@@ -45,7 +45,7 @@ def test_prompt_attention_with_sinks(window: int | None) -> None:
     q = torch.randn(2, 12, HKV * GROUPS, D)
     k, v = torch.randn(2, 12, HKV, D), torch.randn(2, 12, HKV, D)
     sinks = random_sinks()
-    out = prompt_attention(q, k, v, SCALE, None, window, sinks)
+    out = prompt_attention(q, k, v, SCALE, None, window, sinks=sinks)
     plain = prompt_attention(q, k, v, SCALE, None, window)
     assert (out - plain).abs().max() > 1e-2  # the sinks change the answer
     for row in range(2):
@@ -66,7 +66,8 @@ def test_flat_decode_with_sinks(window: int | None) -> None:
     inputs = builder.decode(seqs, pad_to=(len(seqs) + 2, blocks + 3))  # bucket padding
     query = torch.randn(len(seqs) + 2, HKV * GROUPS, D) * 3
     sinks = random_sinks()
-    out = flat_paged_attention(query, k_cache, v_cache, inputs.meta, SCALE, None, window, sinks)
+    out = flat_paged_attention(query, k_cache, v_cache, inputs.meta, SCALE, None, window,
+                               sinks=sinks)
     for row, seq in enumerate(seqs):
         slots = token_slots(seq)
         ref = naive_with_sinks(query[row], k_rows[slots], v_rows[slots], seq.num_tokens - 1,
@@ -105,7 +106,8 @@ def test_paged_prefill_with_sinks(window: int | None) -> None:
                              context_lens=torch.tensor(contexts), total_lens=torch.tensor(totals))
     query = torch.randn(len(seqs), q_len, HKV * GROUPS, D)
     sinks = random_sinks()
-    out = paged_prefill_attention(query, k_cache, v_cache, meta, SCALE, None, window, sinks)
+    out = paged_prefill_attention(query, k_cache, v_cache, meta, SCALE, None, window,
+                                  sinks=sinks)
     for row, seq in enumerate(seqs):
         slots = token_slots(seq)
         for t in range(totals[row] - contexts[row]):
@@ -137,7 +139,7 @@ def test_verify_step_with_sinks(window: int | None) -> None:
     query = torch.randn((len(seqs) + 1) * q, HKV * GROUPS, D) * 3
     sinks = random_sinks()
     out = flat_paged_verify_attention(query, k_cache, v_cache, inputs.meta, SCALE, None,
-                                      window, sinks)
+                                      window, sinks=sinks)
     for row, (seq, extra) in enumerate(zip(seqs, drafts)):
         slots = [seq.block_table[t // BLOCK] * BLOCK + t % BLOCK
                  for t in range(seq.num_tokens + len(extra))]
