@@ -105,10 +105,6 @@ FAILURES: dict[str, tuple[Kind, str]] = {
         "vllm:iteration_tokens_total and vllm:request_inference_time_seconds were missing "
         "(built on this branch: tests/api/test_vllm_metrics.py; the module's later servers "
         "pass)"),
-    "responses/test_simple.py::test_enable_response_messages": (
-        Kind.MISSING_FEATURE, "vLLM's enable_response_messages (the response's "
-        "input_messages / output_messages: the raw prompt and output text with their token "
-        "ids) is not built; the field is ignored"),
     "responses/test_simple.py::test_reasoning_item": (
         Kind.MODEL_SPECIFIC, "expects Qwen3-8B to think (a reasoning output item through "
         "--reasoning-parser qwen3); SmolLM2-135M writes no <think>, so the output is a "
