@@ -1,7 +1,8 @@
 """Logprobs on /v1/responses (``include: ["message.output_text.logprobs"]`` with
 ``top_logprobs``), through the openai SDK on a real server with the tiny random Llama: the
 values are transformers' log-softmax of the same tokens; streamed, each text delta carries
-its tokens' logprobs and together they are the whole answer's."""
+its tokens' logprobs and together they are the whole answer's. Also vLLM's
+``enable_response_messages`` (the raw prompt and output with their token ids)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,22 @@ def test_top_logprobs_over_20_and_other_includes_are_400(client) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(include=["reasoning.encrypted_content"], **ASK)
     assert refused.value.body["param"] == "include"
+
+
+def test_enable_response_messages_gives_the_raw_prompt_and_output(client, tiny_model) -> None:
+    """vLLM's extra: the prompt as the model read it (the chat template's text) and the
+    output, each with its token ids; null without the flag."""
+    tokenizer = tiny_model[2]
+    answer = client.responses.create(extra_body={"ignore_eos": True,
+                                                 "enable_response_messages": True},
+                                     **{k: v for k, v in ASK.items() if k != "extra_body"})
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": ASK["input"]}],
+                                           add_generation_prompt=True, tokenize=False)
+    sent = answer.input_messages[0]
+    assert sent["type"] == "raw_message_tokens" and sent["message"] == prompt
+    assert sent["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
+    wrote = answer.output_messages[0]
+    assert len(wrote["tokens"]) == 8
+    assert wrote["message"] == tokenizer.decode(wrote["tokens"])
+    plain = client.responses.create(**ASK)
+    assert plain.input_messages is None and plain.output_messages is None

@@ -195,6 +195,9 @@ class ResponsesRequest(RequestModel):
     ignore_eos: bool = False
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
+    # vLLM's: the response carries the raw prompt and output (input_messages /
+    # output_messages: text with special tokens, and token ids)
+    enable_response_messages: bool = False
 
 
 # --- response ----------------------------------------------------------------------------
@@ -292,3 +295,6 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
+    # vLLM's, with enable_response_messages (null otherwise)
+    input_messages: list[dict[str, Any]] | None = None
+    output_messages: list[dict[str, Any]] | None = None

@@ -74,12 +74,14 @@ class ResponsesService:
             entry = StoredResponse(response.model_copy(update={"status": ResponseStatus.QUEUED}),
                                    conversation)
             self.store.put(entry)
-            entry.task = asyncio.create_task(self._background(entry, run, tag))
+            entry.task = asyncio.create_task(self._background(entry, run, tag,
+                                                              req.enable_response_messages))
             return await self._json(entry.response, tag)
         if req.stream:
-            return self._stream(response, run, conversation, tag)
+            return self._stream(response, run, conversation, tag, req.enable_response_messages)
         final = await accumulate(run.stream)
-        done = await ctx.workers.run(tag.client, self._finish, response, final, run.reader())
+        done = await ctx.workers.run(tag.client, self._finish, response, final, run.reader(),
+                                     req.enable_response_messages)
         self._keep(done, conversation)
         return await self._json(done, tag)
 
@@ -104,8 +106,8 @@ class ResponsesService:
                            "response_id")
         return await self._json(entry.response, tag)
 
-    def _finish(self, response: ResponseObject, final: RequestOutput, reader: ChoiceReader
-                ) -> ResponseObject:
+    def _finish(self, response: ResponseObject, final: RequestOutput, reader: ChoiceReader,
+                raw: bool = False) -> ResponseObject:
         """The whole reading of ``final`` (on a worker: parsing and counting are linear in
         the output)."""
         completion = final.outputs[0]
@@ -113,7 +115,25 @@ class ResponsesService:
         logprobs = (self.ctx.logprobs.chat_dict(completion.logprobs)["content"]
                     if completion.logprobs is not None else None)
         items = whole_items(parts, completion.finish_reason, logprobs)
-        return finished(response, final, items, self._reasoning_tokens(items))
+        return self._raw(finished(response, final, items, self._reasoning_tokens(items)),
+                         final, raw)
+
+    def _raw(self, response: ResponseObject, final: RequestOutput, raw: bool
+             ) -> ResponseObject:
+        """vLLM's ``enable_response_messages``: the prompt as the model read it and the
+        output as it wrote it, each text (special tokens kept) with its token ids."""
+        if not raw:
+            return response
+        decode = self.ctx.engine.tokenizer.decode
+
+        def message(ids: list[int]) -> dict[str, Any]:
+            return {"type": "raw_message_tokens",
+                    "message": decode(list(ids), skip_special_tokens=False),
+                    "tokens": list(ids)}
+
+        return response.model_copy(update={
+            "input_messages": [message(final.prompt_token_ids)],
+            "output_messages": [message(final.outputs[0].token_ids)]})
 
     def _reasoning_tokens(self, items: list[OutputItem]) -> int:
         text = "".join(part.text for item in items if item.type == "reasoning"
@@ -131,7 +151,7 @@ class ResponsesService:
                                  lambda: response.model_dump_json().encode("utf-8"))
 
     async def _stream(self, response: ResponseObject, run: ChatRun,
-                      conversation: list[dict[str, Any]], tag: RequestTag
+                      conversation: list[dict[str, Any]], tag: RequestTag, raw: bool = False
                       ) -> AsyncIterator[str]:
         writer = EventWriter()
         yield writer.lifecycle("response.created", response)
@@ -161,12 +181,14 @@ class ResponsesService:
         done = finished(response, final, writer.items,
                         await self.ctx.workers.run(tag.client, self._reasoning_tokens,
                                                    writer.items))
+        done = await self.ctx.workers.run(tag.client, self._raw, done, final, raw)
         self._keep(done, conversation)
         kind = "response.incomplete" if done.status is ResponseStatus.INCOMPLETE \
             else "response.completed"
         yield await self.ctx.workers.run(tag.client, writer.lifecycle, kind, done)
 
-    async def _background(self, entry: StoredResponse, run: ChatRun, tag: RequestTag) -> None:
+    async def _background(self, entry: StoredResponse, run: ChatRun, tag: RequestTag,
+                          raw: bool = False) -> None:
         """Generates a background response detached from its request; its entry says how far
         it got (queued, in_progress, then its final status)."""
         final: RequestOutput | None = None
@@ -180,7 +202,7 @@ class ResponsesService:
                     final.add(out)
             assert final is not None
             done = await self.ctx.workers.run(tag.client, self._finish, entry.response, final,
-                                              run.reader())
+                                              run.reader(), raw)
             entry.response = done
             entry.conversation = entry.conversation + output_messages(done.output)
         except asyncio.CancelledError:  # POST /v1/responses/{id}/cancel
