@@ -129,6 +129,39 @@ def save_tiny_model(
         cls = transformers.Qwen3MoeForCausalLM
     elif model_type in ("deepseek_v3", "deepseek_v2"):
         config, cls = _deepseek_config(model_type, common, rope_scaling)
+    elif model_type == "gpt_oss":
+        # windowed and global layers alternating (layer_types' default), 4 experts of 64,
+        # top-2; head size 64 as released (!= hidden / heads); YaRN as released (factor 4
+        # over a 128-token original context here)
+        common["intermediate_size"] = 64  # MXFP4 packs 32 inputs a block
+        config = transformers.GptOssConfig(
+            head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=sliding_window or 8,
+            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                 original_max_position_embeddings=128), **common)
+        cls = transformers.GptOssForCausalLM
+    elif model_type in ("llama4_text", "llama4"):
+        # layers 0-2 rotate and attend within 8-token chunks (prompts and decodes here
+        # cross several), layer 3 is NoPE with a query temperature that steps every 4
+        # positions; layers 1 and 3 MoE (4 experts of 32, top-1, a shared expert), 0 and 2
+        # dense MLPs of 96 (intermediate_size_mlp)
+        common.update(num_hidden_layers=4, intermediate_size=32)
+        text = dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=4,
+                    num_experts_per_tok=1, interleave_moe_layer_step=2,
+                    attention_chunk_size=sliding_window or 8, floor_scale=4, attn_scale=0.5,
+                    **common)
+        if model_type == "llama4_text":
+            config = transformers.Llama4TextConfig(**text)
+            cls = transformers.Llama4ForCausalLM
+        else:  # the conditional-generation checkpoint, with a tiny vision tower
+            vision = transformers.Llama4VisionConfig(
+                hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=64, image_size=56, patch_size=14, vision_output_dim=32,
+                projector_input_dim=64, projector_output_dim=64)
+            config = transformers.Llama4Config(text_config=text, vision_config=vision,
+                                               tie_word_embeddings=tie)
+            cls = transformers.Llama4ForConditionalGeneration
     else:
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling
@@ -142,6 +175,8 @@ def save_tiny_model(
             if p.dim() in (2, 3):  # 3-D: experts stacked [E, out, in], each a matrix
                 p.mul_(3.0)
         for name, p in model.named_parameters():
+            if name.endswith(("sinks", "bias")) and model_type == "gpt_oss":
+                p.normal_(0.0, 1.0)  # transformers initialises them to zero: make them count
             if name.endswith(("q_norm.weight", "k_norm.weight")) or (
                     model_type.startswith("gemma") and name.endswith("norm.weight")):
                 p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows

@@ -10,6 +10,7 @@ from typing import Any
 from starlette.responses import Response
 
 from server.api.answer_json import answer_bytes
+from server.api.beam_search import beam_params, submit_beam_search
 from server.api.chat_output import ChoiceReader, DeltaParts
 from server.api.errors import APIError
 from server.api.protocol import (
@@ -129,7 +130,10 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
         return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text))
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
-    stream = tapped(await submit(ctx, tag, build, params.n, lora=lora),
+    beams = beam_params(req, params.max_tokens or ctx.max_model_len, logprobs)
+    stream = tapped(await submit_beam_search(ctx, tag, build, beams, lora=lora,
+                                             logprobs=logprobs) if beams is not None
+                    else await submit(ctx, tag, build, params.n, lora=lora),
                     request_tap(ctx, params, tag))
     return ChatRun(stream, plan, ctx.reasoning_parser, answered_model(ctx, lora))
 
@@ -219,8 +223,9 @@ def _with_tool_constraint(ctx: ServingContext, params: SamplingParams, plan: Too
         constraint = constraint.model_copy(update={"start_after": reasoning.end})
     if constraint is not params.structured_outputs:
         update["structured_outputs"] = constraint
-    if plan.mode == "auto" and plan.parser is not None and plan.parser.keeps_special_tokens:
-        update["skip_special_tokens"] = False  # the call markers may be special tokens
+    if (plan.mode == "auto" and plan.parser is not None and plan.parser.keeps_special_tokens) \
+            or (reasoning is not None and reasoning.keeps_special_tokens):
+        update["skip_special_tokens"] = False  # the markers may be special tokens
     return params.model_copy(update=update) if update else params
 
 

@@ -7,6 +7,7 @@ else receives the sub-config it needs. Flag names follow ``vllm serve`` and envi
 keep vLLM's names, so an existing deployment's settings carry over.
 """
 
+from server.config.batch import BatchOptions
 from server.config.bench import BenchOptions
 from server.config.buckets import (
     BucketFitOptions,
@@ -47,7 +48,7 @@ from server.config.structured import StructuredOutputsBackend, StructuredOutputs
 from server.config.tracing import OtlpProtocol, TracingConfig
 
 __all__ = [
-    "MIN_BATCHED_TOKENS", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
+    "MIN_BATCHED_TOKENS", "BatchOptions", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
     "ChatOptions", "Convert", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode",
     "FairShare", "GiB", "LoRAConfig", "LogFormat", "LoggingConfig", "ModelOptions",
     "OtlpProtocol", "ParallelConfig", "PoolingConfig", "RequestLimits", "ResponsesStoreConfig",

@@ -10,6 +10,7 @@ from typing import Any, Union
 
 from server.config import make_engine_config
 from server.config.compat import ignored_flags
+from server.engine.beam_search import BeamSearch, BeamSearchParams
 from server.engine.executor.mp import refuse_engine_in_worker
 from server.engine.llm_engine import LLMEngine
 from server.engine.lora.request import LoRARequest
@@ -98,6 +99,38 @@ class LLM:
                 if request_id not in results or not results[request_id].finished:
                     self.engine.abort_request(request_id)
         return [results[r] for r in request_ids]
+
+    def beam_search(
+        self,
+        prompts: Prompt | dict[str, Any] | Seq[Prompt | dict[str, Any]],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt (text, token ids, or ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``) its ``beam_width`` best sequences, best first, as the
+        completions of one finished RequestOutput (server/engine/beam_search.py). Each step
+        runs every live beam of every prompt in one batch; beams share their prefix's KV
+        blocks through the prefix cache."""
+        if isinstance(self.engine, PoolingEngine):
+            raise ValueError("beam search needs a generating model, not a pooling one")
+        items = [prompts] if isinstance(prompts, (str, dict)) else _as_prompt_list(prompts)
+        eos = self.tokenizer.hf.eos_token_id
+        limit = self.engine.limits.max_model_len
+        searches = [BeamSearch(self._token_ids(p), params, eos, limit) for p in items]
+        while live := [s for s in searches if not s.done]:
+            batch = [(s, beam) for s in live for beam in s.pending()]
+            outs = self.generate([beam for _, beam in batch], live[0].expansion_params(),
+                                 lora_request)
+            for search in live:
+                mine = [o for (s, _), o in zip(batch, outs) if s is search]
+                search.advance([o.outputs[0].logprobs[0] for o in mine])
+        return [s.output(f"beam-{next(self._ids)}", self.tokenizer.decode) for s in searches]
+
+    def _token_ids(self, prompt: Prompt | dict[str, Any]) -> list[int]:
+        if isinstance(prompt, dict):
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt \
+                else prompt["prompt"]
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def chat(
         self,

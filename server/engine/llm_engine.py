@@ -144,6 +144,8 @@ class LLMEngine:
         self.sleep_mode = config.device.enable_sleep_mode
         # what /sleep freed and no /wake_up has restored yet (empty: awake)
         self._asleep: set[WakeTag] = set()
+        # the deepest level slept since the engine was last wholly awake (vllm:engine_sleep_state)
+        self._sleep_level: SleepLevel | None = None
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB, max_model_len %d, "
             "max_num_seqs %d", self.runner.num_blocks, block_size,
@@ -350,6 +352,7 @@ class LLMEngine:
             self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
             bm.num_blocks, bm.usage, self.scheduler.num_preemptions,
             bm.stats.queries, bm.stats.hits, *self._lora_stats(), *self._spec_stats(),
+            sleep_level=int(self._sleep_level) if self._sleep_level is not None else 0,
         )
 
     def _spec_stats(self) -> tuple[int, int, int, tuple[int, ...]]:
@@ -396,6 +399,7 @@ class LLMEngine:
         assert bm.num_free_blocks == bm.num_blocks, "a KV block outlived its request"
         self.runner.sleep(level)
         self._asleep = set(ALL_TAGS)
+        self._sleep_level = max(level, self._sleep_level or level)
         logger.info("Asleep (level %d): %d request(s) aborted, %.1f MiB of KV cache and "
                     "%.1f MiB of weights %s", level, len(ended),
                     self.runner.kv_cache_bytes / 2**20, self._memory_bytes() / 2**20,
@@ -410,6 +414,8 @@ class LLMEngine:
         start = time.monotonic()
         self.runner.wake_up(tags)
         self._asleep -= tags
+        if not self._asleep:
+            self._sleep_level = None
         if WakeTag.KV_CACHE in tags:
             self.block_manager.reset_prefix_cache()
         logger.info("Woke %s in %.2f s%s", "/".join(sorted(t.value for t in tags)),
@@ -430,6 +436,8 @@ class LLMEngine:
             raise RequestError(str(exc), "path") from None
         self.block_manager.reset_prefix_cache()
         self._asleep.discard(WakeTag.WEIGHTS)
+        if not self._asleep:
+            self._sleep_level = None
         logger.info("Reloaded the weights from %s in %.2f s", path, time.monotonic() - start)
 
     def _check_sleep_mode(self) -> None:

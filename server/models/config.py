@@ -86,12 +86,34 @@ class ModelConfig:
     # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's
     # num_nextn_predict_layers): the loader skips their tensors, saying so
     mtp_layers: int = 0
+    # gpt-oss (server/models/gpt_oss.py): a learned sink logit per attention head; biases on
+    # the router and on every expert's projections; the experts' clamped SwiGLU,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+    attn_sinks: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # Llama 4 (see llama4.py): the layers in chunked_layers attend within chunks of
+    # attention_chunk_size positions only; those in nope_layers rotate nothing and, with
+    # attn_temperature = (floor_scale, attn_scale), scale their queries up with position;
+    # qk_l2_norm: a weightless RMS norm of each q and k head in the RoPE layers
+    attention_chunk_size: int | None = None
+    chunked_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()
+    qk_l2_norm: bool = False
+    attn_temperature: tuple[float, float] | None = None
+    # what the checkpoint's weight names start with ("language_model." for the text model
+    # of a conditional-generation checkpoint, whose other weights are ignored)
+    checkpoint_prefix: str = ""
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         arch = architecture_of(getattr(hf, "architectures", None),
                                getattr(hf, "model_type", None))
-        model_type = arch.model_type
+        outer = hf  # dtype and quantization are the whole checkpoint's
+        if arch.text_part:
+            hf = hf.get_text_config()
+        model_type = hf.model_type if arch.text_part else arch.model_type
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         partial = _partial_rotary_factor(hf)
@@ -101,11 +123,12 @@ class ModelConfig:
         local_theta, local_scaling = (_rope_settings(hf, "sliding_attention")
                                       if _has_local_rope(hf) else (None, None))
         attention_bias = bool(getattr(hf, "attention_bias", False))
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+        dtype = getattr(outer, "dtype", None) or getattr(outer, "torch_dtype", None)
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
         gemma = _gemma_settings(hf) if arch.gemma else {}
+        gpt_oss = _gpt_oss_settings(hf) if arch.gpt_oss else {}
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -134,7 +157,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             local_rope_theta=local_theta,
             local_rope_scaling=local_scaling,
-            quant=QuantConfig.from_hf(_as_dict(getattr(hf, "quantization_config", None))),
+            quant=QuantConfig.from_hf(_as_dict(getattr(outer, "quantization_config", None))),
             checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=eos_ids,
         )
@@ -142,7 +165,16 @@ class ModelConfig:
         fields.update(gemma)  # Gemma's readings replace the Llama ones
         if arch.mla:
             fields.update(deepseek_settings(hf, model_type == "deepseek_v3", rope_scaling))
+        fields.update(gpt_oss)
+        if arch.llama4:
+            fields.update(_llama4_settings(hf))
+        if arch.text_part:
+            fields["checkpoint_prefix"] = "language_model."
         return cls(**fields)
+
+    def layer_chunk(self, index: int) -> int | None:
+        """The attention chunk of layer ``index``, None where it is not chunked."""
+        return self.attention_chunk_size if index in self.chunked_layers else None
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index``, None where it attends to everything."""
@@ -216,6 +248,15 @@ def _gemma_settings(hf: Any) -> dict[str, Any]:
     )
 
 
+def _gpt_oss_settings(hf: Any) -> dict[str, Any]:
+    """gpt-oss's departures: sinks, biased router and experts, the clamped SwiGLU. Its
+    router takes the softmax of the top-k logits, which is the renormalised top-k of the
+    full softmax (the registry entry sets moe_renormalize)."""
+    return dict(attn_sinks=True, moe_bias=True,
+                swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
+                swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)))
+
+
 def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:
     """The expert fields of ModelConfig. Mixtral names the expert count num_local_experts and
     sizes its experts with intermediate_size (every layer sparse); Qwen3-MoE says num_experts
@@ -234,6 +275,32 @@ def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:
         moe_intermediate_size=int(moe_size),
         norm_topk_prob=always_renormalize or bool(getattr(hf, "norm_topk_prob", False)),
         moe_layers=layers,
+    )
+
+
+def _llama4_settings(hf: Any) -> dict[str, Any]:
+    """Llama 4's departures. Its config names the sizes the other way round: the dense
+    layers' MLP is intermediate_size_mlp wide, each expert (and the shared one)
+    intermediate_size; no_rope_layers holds 1 for the layers that DO rotate."""
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama 4 with activation {hf.hidden_act!r} is not supported (silu)")
+    layers = range(hf.num_hidden_layers)
+    rotates = list(hf.no_rope_layers)
+    types = list(hf.layer_types)
+    chunked = tuple(i for i in layers if types[i] == "chunked_attention")
+    return dict(
+        intermediate_size=int(hf.intermediate_size_mlp),
+        moe_intermediate_size=int(hf.intermediate_size),
+        num_experts=int(hf.num_local_experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        norm_topk_prob=False,
+        moe_layers=tuple(int(i) for i in hf.moe_layers),
+        attention_chunk_size=int(hf.attention_chunk_size) if chunked else None,
+        chunked_layers=chunked,
+        nope_layers=tuple(i for i in layers if not rotates[i]),
+        qk_l2_norm=bool(hf.use_qk_norm),
+        attn_temperature=((float(hf.floor_scale), float(hf.attn_scale))
+                          if hf.attn_temperature_tuning else None),
     )
 
 

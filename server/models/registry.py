@@ -33,6 +33,17 @@ class Architecture:
     # DeepSeek-V2 / V3: multi-head latent attention (server/models/mla.py), whose KV cache
     # holds a compressed latent; routed plus shared experts, grouped top-k routing
     mla: bool = False
+    # gpt-oss: attention sinks, biased router and experts with a clamped SwiGLU, MXFP4
+    # experts in its checkpoints (server/models/gpt_oss.py); layer_types window every other
+    # layer
+    gpt_oss: bool = False
+    # Llama 4 (server/models/llama4.py): chunked local attention in the RoPE layers, layers
+    # without RoPE (their queries temperature-tuned by position), weightless L2 q/k norms,
+    # MoE layers with a shared expert and sigmoid routing, interleaved with dense MLPs
+    llama4: bool = False
+    # a conditional-generation checkpoint served as its text model: the config's
+    # text_config, the weights under language_model. (the vision tower is ignored)
+    text_part: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -58,6 +69,14 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # tensors the gguf reader here does not map (yet)
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", None, moe=True, mla=True),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", None, moe=True, mla=True),
+    # no GGUF: the installed gguf package cannot write its MXFP4 tensors (see docs/models.md)
+    Architecture("GptOssForCausalLM", "gpt_oss", None, moe=True, moe_renormalize=True,
+                 gguf_permuted_qk=False, gpt_oss=True),
+    # llama.cpp's converter keeps Llama 4's (interleaved-RoPE) q/k rows as they are
+    Architecture("Llama4ForCausalLM", "llama4_text", "llama4", gguf_permuted_qk=False, moe=True,
+                 llama4=True),
+    Architecture("Llama4ForConditionalGeneration", "llama4", None, gguf_permuted_qk=False,
+                 moe=True, llama4=True, text_part=True),
 )}
 
 

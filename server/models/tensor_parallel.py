@@ -38,6 +38,7 @@ from server.hpu.distributed import ParallelContext
 from server.models.config import ModelConfig
 from server.models.llama import LlamaForCausalLM
 from server.models.lora import LoRAAdapter, LoRASite
+from server.models.model_class import causal_lm_class
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -154,11 +155,23 @@ class ShardPlan:
             return Cut(0, ((r * moe, moe),))
         if _EXPERT_OUT.search(name):
             return Cut(1, ((r * moe, moe),))
+        if _LLAMA4_GATE_UP.search(name):  # Llama 4's [E, H, 2I]: gate columns then up
+            half = shape[2] // 2
+            return Cut(2, ((r * moe, moe), (half + r * moe, moe)))
+        if _LLAMA4_DOWN.search(name):  # Llama 4's [E, I, H]
+            return Cut(1, ((r * moe, moe),))
         if _STACKED_GATE_UP.search(name):  # [E, 2I, H]: gate rows then up rows
             half = shape[1] // 2
             return Cut(1, ((r * moe, moe), (half + r * moe, moe)))
         if _STACKED_DOWN.search(name):  # [E, H, I]
             return Cut(2, ((r * moe, moe),))
+        if _EXPERT_GATE_UP_BIAS.search(name):  # gpt-oss [E, 2I]: gate then up (gpt_oss.py)
+            half = shape[1] // 2
+            return Cut(1, ((r * moe, moe), (half + r * moe, moe)))
+        if _EXPERT_DOWN_BIAS.search(name):  # summed by the all-reduce: rank 0 only
+            return Cut(zero=r != 0)
+        if _SINKS.search(name):  # one per query head
+            return Cut(0, ((r * self.q_heads, self.q_heads),))
         if _Q.search(name):
             return Cut(0, (q_rows,))
         if _KV.search(name):
@@ -167,15 +180,17 @@ class ShardPlan:
             q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
             return Cut(0, (q_rows, (q_all + kv_start, kv_len),
                            (q_all + kv_all + kv_start, kv_len)))
-        if _GATE_UP.search(name):
-            return Cut(0, ((r * inter, inter),))
+        if _GATE_UP.search(name):  # Llama 4's shared expert is as wide as one expert
+            per = moe if _SHARED.search(name) else inter
+            return Cut(0, ((r * per, per),))
         if _FUSED_GATE_UP.search(name):  # Phi-3: gate then up
             half = shape[0] // 2
             return Cut(0, ((r * inter, inter), (half + r * inter, inter)))
         if _O_WEIGHT.search(name):
             return Cut(1, (q_rows,))
         if _DOWN_WEIGHT.search(name):
-            return Cut(1, ((r * inter, inter),))
+            per = moe if _SHARED.search(name) else inter
+            return Cut(1, ((r * per, per),))
         if _ROW_BIAS.search(name):  # summed by the all-reduce: added by rank 0 only
             return Cut(zero=r != 0)
         if _VOCAB.search(name):
@@ -271,8 +286,14 @@ _MLA_KV_B = re.compile(r"\.kv_b_proj\.weight$")
 _SHARED_EXPERTS = re.compile(r"\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_IN = re.compile(r"\.experts\.\d+\.(w1|w3|gate_proj|up_proj)\.weight$")
 _EXPERT_OUT = re.compile(r"\.experts\.\d+\.(w2|down_proj)\.weight$")
+_LLAMA4_GATE_UP = re.compile(r"\.feed_forward\.experts\.gate_up_proj$")
+_LLAMA4_DOWN = re.compile(r"\.feed_forward\.experts\.down_proj$")
+_SHARED = re.compile(r"\.shared_expert\.")
 _STACKED_GATE_UP = re.compile(r"\.experts\.gate_up_proj(\.weight)?$")
 _STACKED_DOWN = re.compile(r"\.experts\.down_proj(\.weight)?$")
+_EXPERT_GATE_UP_BIAS = re.compile(r"\.mlp\.b_gate_up$")
+_EXPERT_DOWN_BIAS = re.compile(r"\.mlp\.b_down$")
+_SINKS = re.compile(r"\.self_attn\.sinks$")
 _Q = re.compile(r"\.q_proj\.(weight|bias)$")
 _KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 _FUSED_QKV = re.compile(r"\.qkv_proj\.(weight|bias)$")
@@ -335,8 +356,17 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext
                 ) -> tuple[LlamaForCausalLM, ModelConfig, ShardPlan | None]:
     """(the model to fill, the config the rank serves with, the plan) for the whole
     model's ``cfg``; the plain model at world size 1."""
+    cls = causal_lm_class(cfg)
     if parallel.world_size == 1:
-        return LlamaForCausalLM(cfg), cfg, None
+        return cls(cfg), cfg, None
     plan = ShardPlan.build(cfg, parallel.rank, parallel.world_size)
     rank_cfg = plan.rank_config()
-    return TensorParallelCausalLM(rank_cfg, plan, parallel), rank_cfg, plan
+    return _tensor_parallel_class(cls)(rank_cfg, plan, parallel), rank_cfg, plan
+
+
+def _tensor_parallel_class(cls: type[LlamaForCausalLM]) -> type[TensorParallelCausalLM]:
+    """TensorParallelCausalLM over a family's own decoder class (its __init__ reaches the
+    family's through super())."""
+    if cls is LlamaForCausalLM:
+        return TensorParallelCausalLM
+    return type(f"TensorParallel{cls.__name__}", (TensorParallelCausalLM, cls), {})

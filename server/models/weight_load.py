@@ -76,7 +76,7 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
     }
     loaded: set[str] = set()
     mtp_skipped = 0
-    for hf_name, tensor in tensors:
+    for hf_name, tensor in model.checkpoint_tensors(tensors):
         # Mixtral's sparse block is "block_sparse_moe" where the others say "mlp"
         name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         if _is_mtp(name, cfg):
@@ -108,11 +108,10 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
             prefix, part, kind = match.groups()
             fused, shard = _FUSED[part]
             name = f"{prefix}.{fused}.{kind}"
-            sizes = shard_sizes[fused]
-            if fused == "gate_up_proj":  # MLPs of other widths (shared experts) too
-                sizes = [params[name].shape[0] // 2] * 2
-            target = _param(params, name, hf_name, origin).data.narrow(
-                0, sum(sizes[:shard]), sizes[shard])
+            param = _param(params, name, hf_name, origin)
+            # gate / up: halves of whichever MLP this is (a shared expert's can be narrower)
+            sizes = shard_sizes[fused] if fused == "qkv_proj" else [param.shape[0] // 2] * 2
+            target = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
             loaded.add(f"{name}#{shard}")
         else:
             target = _param(params, name, hf_name, origin).data
