@@ -205,7 +205,12 @@ def paged_prefill_attention(
     keys = keys.to(query.dtype)
     values = keys if v_cache is k_cache else _prefill_values(v_cache, tables, bs, meta)
     values = values.to(query.dtype)
-    if groups > 1:
+    if groups > 1 and num_kv_heads == 1:
+        # one KV head (multi-query; MLA's latent): every query head reads it through a
+        # stride-0 view instead of Hq copies of the whole context
+        keys = keys.expand(-1, num_q_heads, -1, -1)
+        values = values.expand(-1, num_q_heads, -1, -1)
+    elif groups > 1:
         keys = keys.repeat_interleave(groups, dim=1)
         values = values.repeat_interleave(groups, dim=1)
     q = query.transpose(1, 2)  # [bs, Hq, q, D]

@@ -198,23 +198,30 @@ def test_lora_is_refused(tiny_model_factory) -> None:
 
 @pytest.mark.slow
 def test_compiled_buckets_serve_with_no_compilation(tiny_model_factory, tmp_path) -> None:
-    """Compile mode: every planned bucket warmed before serving, then greedy tokens equal
-    to transformers' with 0 compilations and 0 bucket misses while serving."""
+    """Compile mode: every planned bucket warmed before serving (fresh prompts: expanded
+    latents; a prompt after a cached prefix: absorbed paged prefill; decode: absorbed),
+    then greedy tokens equal to transformers' with 0 compilations and 0 bucket misses
+    while serving."""
     folder, hf_model = tiny_model_factory(**V3)[:2]
     buckets = tmp_path / "b.txt"
-    buckets.write_text("([4], 48, [0])\n([4], 1, [16, 32])\n")  # 3 graphs: CPU compiles are slow
-    llm = LLM(folder, dtype="float32", block_size=8, max_num_seqs=4, max_model_len=64,
-              execution_mode="compile", enable_prefix_caching=False,
+    # 4 graphs (CPU compiles are slow); a prompt after a cached prefix runs alone
+    buckets.write_text("([4], 48, [0])\n(1, 48, [4])\n([4], 1, [16, 32])\n")
+    llm = LLM(folder, dtype="float32", block_size=8, max_num_seqs=4, max_model_len=128,
+              execution_mode="compile", enable_prefix_caching=True,
               environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
     counters = llm.engine.counters
-    assert counters.compilations(stage="warmup") > 0
+    assert counters.compilations(stage="warmup") >= 4  # per bucket: dense and MoE layers
     gen = torch.Generator().manual_seed(7)
     vocab = hf_model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (40, 11, 23)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 12)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for prompt, got in zip(prompts, outputs):
+        assert got == hf_greedy(hf_model, prompt, 12)
+    follow_up = prompts[1] + outputs[1] + prompts[2][:3]  # 2 cached blocks, then 10 tokens
+    got = llm.generate([follow_up], params)[0].outputs[0].token_ids
+    assert llm.engine.stats().prefix_cache_hits >= 16
+    assert got == hf_greedy(hf_model, follow_up, 12)
     assert counters.compilations(stage="serving") == 0
     assert sum(counters._misses.labels(counters.model_name, p)._value.get()
                for p in ("prefill", "decode")) == 0
