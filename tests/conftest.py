@@ -162,6 +162,33 @@ def save_tiny_model(
             config = transformers.Llama4Config(text_config=text, vision_config=vision,
                                                tie_word_embeddings=tie)
             cls = transformers.Llama4ForConditionalGeneration
+    elif model_type == "qwen3_next":
+        # linear (Gated DeltaNet) layers 0-2, full attention layer 3; 2 key heads of 4
+        # value heads each with a 16 x 16 state, a 4-tap convolution; every MLP 6 experts
+        # of 48 (top 2, renormalised) plus a shared expert of 40; RoPE over a quarter of
+        # each 32-wide attention head
+        common["num_hidden_layers"] = 4
+        config = transformers.Qwen3NextConfig(
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+            shared_expert_intermediate_size=40, **common)
+        cls = transformers.Qwen3NextForCausalLM
+    elif model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+        # Qwen3.5's text models: Qwen3-Next's layer pattern and sizes, with separate
+        # q/k/v, z, b, a projections; dense MLPs, or 6 experts of 48 plus a shared one
+        common["num_hidden_layers"] = 4
+        delta = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+        if model_type == "qwen3_5_text":
+            config = transformers.Qwen3_5TextConfig(**delta, **common)
+            cls = transformers.Qwen3_5ForCausalLM
+        else:
+            common.pop("intermediate_size")
+            config = transformers.Qwen3_5MoeTextConfig(
+                num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                shared_expert_intermediate_size=40, **delta, **common)
+            cls = transformers.Qwen3_5MoeForCausalLM
     else:
         if rope_scaling is not None:
             common["rope_scaling"] = rope_scaling
@@ -184,6 +211,11 @@ def save_tiny_model(
             if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
                 buffer.copy_(torch.rand(buffer.shape, generator=torch.Generator()
                                         .manual_seed(seed)) * 0.5)
+            if name.endswith(("q_norm.weight", "k_norm.weight", "linear_attn.norm.weight")) or (
+                    model_type.startswith("gemma") and name.endswith("norm.weight")):
+                p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows
+            elif model_type.startswith(("qwen3_next", "qwen3_5")) and name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)  # its norms scale by 1 + w: not all zeros either
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -17,6 +17,7 @@ from server.engine.core.block_manager import BlockManager
 from server.engine.core.scheduler import Scheduler, Speculation
 from server.engine.core.sequence import ScheduledBatch
 from server.engine.core.sequence import Sequence as Seq
+from server.engine.core.state_cache import StateSlots
 from server.engine.errors import EngineFaultError, EngineSleepingError, RequestError
 from server.engine.executor import FaultListener, RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
@@ -115,7 +116,10 @@ class LLMEngine:
         self.limits = self.runner.limits  # resolved once, as on every other rank
         block_size = config.cache.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
-                                          config.cache.enable_prefix_caching)
+                                          self.runner.prefix_caching)
+        # hybrid models: which running sequence holds which state slot
+        self.state_slots = (StateSlots(self.runner.num_state_slots)
+                            if self.runner.num_state_slots else None)
         assert self.block_manager.pad_block_id == self.runner.pad_block_id
         spec = config.speculative.settings
         self.spec_stats = (SpecDecodeStats(spec.num_speculative_tokens)
@@ -127,7 +131,8 @@ class LLMEngine:
                                               if config.lora.enable_lora else None),
                                    speculation=(Speculation(NgramProposer(spec).propose,
                                                             spec.disable_by_batch_size)
-                                                if spec is not None else None))
+                                                if spec is not None else None),
+                                   state_slots=self.state_slots)
         # --enable-lora: the adapters served by name (--lora-modules, /v1/load_lora_adapter)
         self.lora_config = config.lora
         self.loras = LoRARegistry()

@@ -64,14 +64,17 @@ def _clone_inputs(inputs: ForwardInputs) -> ForwardInputs:
 
     return ForwardInputs(inputs.input_ids.clone(), inputs.positions.clone(), meta,
                          inputs.logits_indices.clone(), inputs.num_seqs,
-                         clone(inputs.lora_slots), clone(inputs.mm_embeds),
-                         clone(inputs.mm_mask))
+                         clone(inputs.lora_slots),
+                         None if inputs.state is None else inputs.state.clone(),
+                         mm_embeds=clone(inputs.mm_embeds), mm_mask=clone(inputs.mm_mask))
 
 
 def _copy_inputs(dst: ForwardInputs, src: ForwardInputs) -> None:
     dst.input_ids.copy_(src.input_ids)
     dst.positions.copy_(src.positions)
     dst.logits_indices.copy_(src.logits_indices)
+    if dst.state is not None and src.state is not None:  # hybrid models' state slots
+        dst.state.copy_(src.state)
     for name in ("lora_slots", "mm_embeds", "mm_mask"):  # a vision prefill's image rows
         target, given = getattr(dst, name), getattr(src, name)
         if target is not None and given is not None:

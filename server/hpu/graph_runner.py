@@ -23,6 +23,7 @@ import torch
 from server.config import ExecutionMode
 from server.hpu.attention import AttentionMetadata
 from server.hpu.counters import DeviceCounters
+from server.hpu.state_cache import StateInputs
 from server.hpu.types import Bucket, Phase, SyncPoint
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class ForwardInputs:
     num_seqs: int  # real rows; the rest is padding
     # --enable-lora: each token's adapter slot ([bs * q], 0: none); None without LoRA
     lora_slots: torch.Tensor | None = None
+    # hybrid models (Qwen3-Next): each row's state slot; None for the others
+    state: StateInputs | None = None
     # vision-language prefills: image rows ([bs * q, hidden]) where mm_mask ([bs * q, 1])
     # is set, replacing those tokens' embeddings; None in decodes and text-only models
     mm_embeds: torch.Tensor | None = None

@@ -13,6 +13,35 @@ from server.models.registry import architecture_of
 
 
 @dataclass(frozen=True, slots=True)
+class LinearAttentionSpec:
+    """Sizes of a Gated DeltaNet layer (Qwen3-Next): each value head keeps a recurrent
+    state ``[key_head_dim, value_head_dim]``, value heads share key heads in groups, and
+    q, k, v pass a causal depthwise convolution of ``conv_kernel`` taps first."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # q/k/v, z, b and a from separate projections (Qwen3.5); False: Qwen3-Next's two
+    # projections, rows grouped per key head
+    split_projections: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What the decoder needs to build itself; nothing about serving."""
 
@@ -102,9 +131,19 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()
     qk_l2_norm: bool = False
     attn_temperature: tuple[float, float] | None = None
+    # RoPE over interleaved pairs (Llama 4): q/k rows (weights, adapters) are reordered at
+    # load into the rotate-half layout the RoPE kernels rotate (rotary.interleaved_to_halves)
+    interleaved_rope: bool = False
     # what the checkpoint's weight names start with ("language_model." for the text model
     # of a conditional-generation checkpoint, whose other weights are ignored)
     checkpoint_prefix: str = ""
+    # Hybrid models (Qwen3-Next): the linear-attention layers (no KV cache: a fixed-size
+    # state per sequence instead), their sizes, the shared expert beside the routed ones,
+    # and the sigmoid gate on the full-attention output (q_proj holds it after each head)
+    linear_layers: tuple[int, ...] = ()
+    linear_attention: LinearAttentionSpec | None = None
+    shared_expert_intermediate_size: int = 0
+    attn_output_gate: bool = False
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -129,11 +168,13 @@ class ModelConfig:
         moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
         gemma = _gemma_settings(hf) if arch.gemma else {}
         gpt_oss = _gpt_oss_settings(hf) if arch.gpt_oss else {}
+        hybrid = _hybrid_settings(hf, arch.split_delta_projections) if arch.hybrid else {}
         fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            # Qwen3.5-MoE's text config has none: every layer is sparse
+            intermediate_size=getattr(hf, "intermediate_size", None) or 0,
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
@@ -170,11 +211,26 @@ class ModelConfig:
             fields.update(_llama4_settings(hf))
         if arch.text_part:
             fields["checkpoint_prefix"] = "language_model."
+        fields.update(hybrid)
         return cls(**fields)
 
     def layer_chunk(self, index: int) -> int | None:
         """The attention chunk of layer ``index``, None where it is not chunked."""
         return self.attention_chunk_size if index in self.chunked_layers else None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Linear-attention layers with a per-sequence state beside the KV cache."""
+        return self.linear_attention is not None
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the paged cache."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_layers - len(self.linear_layers)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index``, None where it attends to everything."""
@@ -199,8 +255,9 @@ class ModelConfig:
         """What each token leaves in each layer's KV cache: K and V heads, or MLA's
         latent and RoPE key, read as keys and values at once."""
         if self.mla is not None:
-            return KVCacheLayout(self.num_layers, 1, self.mla.cache_dim, shared_kv=True)
-        return KVCacheLayout(self.num_layers, self.num_kv_heads, self.head_dim)
+            return KVCacheLayout(self.num_kv_layers, 1, self.mla.cache_dim, shared_kv=True)
+        # hybrid models: the linear-attention layers keep a state instead (state_cache.py)
+        return KVCacheLayout(self.num_kv_layers, self.num_kv_heads, self.head_dim)
 
 
 def _window_settings(hf: Any) -> dict[str, Any]:
@@ -257,6 +314,38 @@ def _gpt_oss_settings(hf: Any) -> dict[str, Any]:
                 swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)))
 
 
+def _hybrid_settings(hf: Any, split_projections: bool) -> dict[str, Any]:
+    """Qwen3-Next's departures: the layer kinds of ``layer_types`` (every
+    ``full_attention_interval``-th layer full attention in older config files), the Gated
+    DeltaNet sizes, the shared expert, the gated attention output."""
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None:
+        interval = int(getattr(hf, "full_attention_interval", 4))
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                       for i in range(hf.num_hidden_layers)]
+    unknown = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown} (full_attention, "
+                         "linear_attention)")
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"Qwen3-Next with activation {act!r} is not supported (silu)")
+    return dict(
+        linear_layers=tuple(i for i, kind in enumerate(layer_types)
+                            if kind == "linear_attention"),
+        linear_attention=LinearAttentionSpec(
+            num_key_heads=int(hf.linear_num_key_heads),
+            num_value_heads=int(hf.linear_num_value_heads),
+            key_head_dim=int(hf.linear_key_head_dim),
+            value_head_dim=int(hf.linear_value_head_dim),
+            conv_kernel=int(hf.linear_conv_kernel_dim),
+            split_projections=split_projections),
+        shared_expert_intermediate_size=int(
+            getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+        attn_output_gate=True,
+    )
+
+
 def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:
     """The expert fields of ModelConfig. Mixtral names the expert count num_local_experts and
     sizes its experts with intermediate_size (every layer sparse); Qwen3-MoE says num_experts
@@ -299,6 +388,7 @@ def _llama4_settings(hf: Any) -> dict[str, Any]:
         chunked_layers=chunked,
         nope_layers=tuple(i for i in layers if not rotates[i]),
         qk_l2_norm=bool(hf.use_qk_norm),
+        interleaved_rope=True,
         attn_temperature=((float(hf.floor_scale), float(hf.attn_scale))
                           if hf.attn_temperature_tuning else None),
     )

@@ -183,7 +183,7 @@ def _llama4_fields(h: _Header, num_layers: int) -> dict[str, Any]:
     renormalised. A ``sliding_window`` of 0 in the header (small all-global models) turns
     the chunks and NoPE layers off."""
     fields: dict[str, Any] = dict(
-        norm_topk_prob=False,
+        norm_topk_prob=False, interleaved_rope=True,
         qk_l2_norm=int(h("expert_count")) != _LLAMA4_NO_QK_NORM_EXPERTS)
     if h("attention.sliding_window") == 0:
         return dict(fields, sliding_window=None)

@@ -40,6 +40,7 @@ from server.models.config import ModelConfig
 from server.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from server.models.lora import LoRASite
 from server.models.moe import DENSE, SparseMoeBlock, dense_experts, expert_plan, grouped_experts
+from server.models.rotary import interleaved_to_halves
 
 
 class Llama4Attention(Attention):
@@ -201,21 +202,11 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         for name, tensor in tensors:
             if _STACKED.search(name):  # a GGUF file's (mlp.experts...) are usual already
                 tensor = tensor.transpose(1, 2)
-            elif _QK.search(name):
-                tensor = _rotate_half_rows(tensor, self.config.head_dim)
+            elif self.config.interleaved_rope and _QK.search(name):
+                tensor = interleaved_to_halves(tensor, self.config.head_dim)
             yield (name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate."),
                    tensor)
 
 
 _STACKED = re.compile(r"\.feed_forward\.experts\.(gate_up_proj|down_proj)$")
 _QK = re.compile(r"\.self_attn\.(q_proj|k_proj)\.(weight|bias)$")
-
-
-def _rotate_half_rows(tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The rows of each head (``[heads * D, ...]``, a rank's whole heads under tensor
-    parallelism) from interleaved pairs to halves: even dims first, then odd ones."""
-    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
-    heads = tensor.shape[0] // head_dim
-    return tensor.reshape(heads, head_dim, *tensor.shape[1:])[:, order.to(tensor.device)] \
-        .reshape(tensor.shape)
-

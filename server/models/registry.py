@@ -44,6 +44,13 @@ class Architecture:
     # a conditional-generation checkpoint served as its text model: the config's
     # text_config, the weights under language_model. (the vision tower is ignored)
     text_part: bool = False
+    # Qwen3-Next: Gated DeltaNet (linear attention, a per-sequence state) in the layers
+    # config.json marks "linear_attention", gated full attention in the others, a shared
+    # expert beside the routed ones, zero-centred (1 + w) norms (server/models/qwen3_next.py)
+    hybrid: bool = False
+    # Qwen3.5: the linear layers' q/k/v, z, b and a come from separate projections
+    # (Qwen3-Next's are two, rows grouped per key head)
+    split_delta_projections: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -77,6 +84,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  llama4=True),
     Architecture("Llama4ForConditionalGeneration", "llama4", None, gguf_permuted_qk=False,
                  moe=True, llama4=True, text_part=True),
+    # llama.cpp's "qwen3next" files are not read (no GGUF name: refused as unsupported)
+    Architecture("Qwen3NextForCausalLM", "qwen3_next", None, qk_norm=True, moe=True,
+                 hybrid=True),
+    # Qwen3.5's text models: Qwen3-Next's layers (text positions make its M-RoPE plain
+    # RoPE), dense MLPs, or experts with a shared expert and always renormalised top-k
+    Architecture("Qwen3_5ForCausalLM", "qwen3_5_text", None, qk_norm=True, hybrid=True,
+                 split_delta_projections=True),
+    Architecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", None, qk_norm=True, moe=True,
+                 moe_renormalize=True, hybrid=True, split_delta_projections=True),
 )}
 
 

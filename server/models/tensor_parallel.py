@@ -39,6 +39,7 @@ from server.models.config import ModelConfig
 from server.models.llama import LlamaForCausalLM
 from server.models.lora import LoRAAdapter, LoRASite
 from server.models.model_class import causal_lm_class
+from server.models.qwen3_next import Qwen3NextForCausalLM
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -66,6 +67,12 @@ class ShardPlan:
             problems.append(f"intermediate size {cfg.intermediate_size}")
         if cfg.num_experts and cfg.moe_intermediate_size % n:
             problems.append(f"expert intermediate size {cfg.moe_intermediate_size}")
+        linear = cfg.linear_attention
+        if linear is not None and (linear.num_key_heads % n or linear.num_value_heads % n):
+            problems.append(f"{linear.num_key_heads} / {linear.num_value_heads} linear-"
+                            "attention key / value heads")
+        if cfg.shared_expert_intermediate_size % n:
+            problems.append(f"shared expert size {cfg.shared_expert_intermediate_size}")
         if problems:
             raise ValueError(f"--tensor-parallel-size {n} does not divide the model: "
                              + ", ".join(problems))
@@ -104,9 +111,15 @@ class ShardPlan:
         ``vocab_size`` stays the whole vocabulary (the width of the gathered logits)."""
         cfg = self.config
         n = self.world_size
+        linear = cfg.linear_attention
+        if linear is not None:  # Gated DeltaNet heads split like attention heads
+            linear = replace(linear, num_key_heads=linear.num_key_heads // n,
+                             num_value_heads=linear.num_value_heads // n)
         return replace(cfg, num_heads=self.q_heads, num_kv_heads=self.kv_heads,
                        intermediate_size=cfg.intermediate_size // n,
-                       moe_intermediate_size=cfg.moe_intermediate_size // n)
+                       moe_intermediate_size=cfg.moe_intermediate_size // n,
+                       linear_attention=linear,
+                       shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n)
 
     # checkpoint tensors -> this rank's slices
 
@@ -151,6 +164,8 @@ class ShardPlan:
         if _SHARED_EXPERTS.search(name):  # DeepSeek: an MLP of num_shared_experts * moe
             shared = moe * cfg.num_shared_experts
             return Cut(1 if name.endswith("down_proj.weight") else 0, ((r * shared, shared),))
+        if cfg.is_hybrid and (hybrid := self._hybrid_cut(name)) is not None:
+            return hybrid
         if _EXPERT_IN.search(name):
             return Cut(0, ((r * moe, moe),))
         if _EXPERT_OUT.search(name):
@@ -216,6 +231,48 @@ class ShardPlan:
             return Cut(1, ((r * cols, cols),))
         return None
 
+
+    def _hybrid_cut(self, name: str) -> Cut | None:
+        """Qwen3-Next's own tensors (None: cut as the Llama ones). Gated DeltaNet is split
+        by key heads, each rank keeping its value heads' state: q/k/v/z and b/a rows come
+        grouped per key head (one range), the convolution's channels are q, k, v side by
+        side (three ranges; so are Qwen3.5's in_proj_qkv rows, its z, b, a one range
+        each), ``out_proj`` is row-parallel. A gated q_proj holds each head's
+        query then gate (2 x head_dim rows per head); the shared expert is split as an MLP
+        of its own width."""
+        cfg = self.config
+        linear = cfg.linear_attention
+        assert linear is not None
+        r, n = self.rank, self.world_size
+        if ".linear_attn." in name:
+            k_heads = linear.num_key_heads // n
+            v_heads = linear.num_value_heads // n
+            key, value = k_heads * linear.key_head_dim, v_heads * linear.value_head_dim
+            if name.endswith("in_proj_qkvz.weight"):
+                rows = 2 * key + 2 * value
+                return Cut(0, ((r * rows, rows),))
+            if name.endswith("in_proj_ba.weight"):
+                return Cut(0, ((r * 2 * v_heads, 2 * v_heads),))
+            if name.endswith(("conv1d.weight", "in_proj_qkv.weight")):
+                return Cut(0, ((r * key, key), (linear.key_dim + r * key, key),
+                               (2 * linear.key_dim + r * value, value)))
+            if name.endswith("in_proj_z.weight"):
+                return Cut(0, ((r * value, value),))
+            if name.endswith(("dt_bias", "A_log", "in_proj_b.weight", "in_proj_a.weight")):
+                return Cut(0, ((r * v_heads, v_heads),))
+            if name.endswith("out_proj.weight"):
+                return Cut(1, ((r * value, value),))
+            return Cut()  # the per-head output norm
+        if _Q.search(name) and cfg.attn_output_gate:
+            rows = self.q_heads * 2 * cfg.head_dim
+            return Cut(0, ((r * rows, rows),))
+        if ".shared_expert." in name:
+            width = cfg.shared_expert_intermediate_size // n
+            if _GATE_UP.search(name):
+                return Cut(0, ((r * width, width),))
+            if _DOWN_WEIGHT.search(name):
+                return Cut(1, ((r * width, width),))
+        return None
 
     # LoRA adapters (server/models/lora): each ``A [P * r, in]``, ``B^T [P * r, out]`` cut
     # as its base linear is
@@ -352,6 +409,32 @@ class TensorParallelCausalLM(LlamaForCausalLM):
         return self.parallel.all_gather_last_dim(local)[..., : self.config.vocab_size]
 
 
+class TensorParallelQwen3Next(Qwen3NextForCausalLM):
+    """``Qwen3NextForCausalLM`` on one rank's slices: as :class:`TensorParallelCausalLM`,
+    the token mixers (linear or full attention) and MLPs all-reduce their outputs."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, parallel: ParallelContext) -> None:
+        super().__init__(replace(cfg, vocab_size=plan.vocab_per_rank))
+        self.config = cfg
+        self.parallel = parallel
+        self.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, cfg.hidden_size,
+                                                   plan.vocab_start, parallel)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        for layer in self.layers:
+            layer.mixer.register_forward_hook(self._reduce_output)
+            layer.mlp.register_forward_hook(self._reduce_output)
+
+    def _reduce_output(self, module: nn.Module, args: object, output: torch.Tensor
+                       ) -> torch.Tensor:
+        del module, args
+        return self.parallel.all_reduce(output)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = Qwen3NextForCausalLM.compute_logits(self, hidden)
+        return self.parallel.all_gather_last_dim(local)[..., : self.config.vocab_size]
+
+
 def build_model(cfg: ModelConfig, parallel: ParallelContext
                 ) -> tuple[LlamaForCausalLM, ModelConfig, ShardPlan | None]:
     """(the model to fill, the config the rank serves with, the plan) for the whole
@@ -361,6 +444,8 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext
         return cls(cfg), cfg, None
     plan = ShardPlan.build(cfg, parallel.rank, parallel.world_size)
     rank_cfg = plan.rank_config()
+    if cfg.is_hybrid:
+        return TensorParallelQwen3Next(rank_cfg, plan, parallel), rank_cfg, plan
     return _tensor_parallel_class(cls)(rank_cfg, plan, parallel), rank_cfg, plan
 
 

@@ -70,8 +70,10 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
     ``ModelFileError``."""
     params = dict(model.named_parameters(remove_duplicate=False))
     cfg = model.config
+    # a gated attention's q_proj holds each head's gate too (Qwen3-Next)
+    q_rows = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
     shard_sizes = {
-        "qkv_proj": [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2,
+        "qkv_proj": [q_rows] + [cfg.num_kv_heads * cfg.head_dim] * 2,
         "gate_up_proj": [cfg.intermediate_size] * 2,
     }
     loaded: set[str] = set()

@@ -178,3 +178,16 @@ def test_tool_round_trip_through_the_sdk() -> None:
     assert seen[1]["tool_calls"][0]["function"] == {
         "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
     assert seen[2]["content"] == "18 C, sunny"
+
+
+def test_structured_outputs_start_at_the_final_channel() -> None:
+    """A JSON answer is constrained from the final channel's header on (the grammar reads
+    the generated text with special tokens kept, see server/engine/input_processor.py)."""
+    from tests.api.test_tool_calling import scripted
+
+    client = scripted(["{}"], reasoning_parser="openai_gptoss")
+    client.chat.completions.create(model="fake-model", response_format={"type": "json_object"},
+                                   messages=[{"role": "user", "content": "Hi"}])
+    params = client.engine.submitted[-1][2]
+    assert params.structured_outputs.start_after == "<|channel|>final<|message|>"
+    assert not params.skip_special_tokens

@@ -352,3 +352,45 @@ def test_speculative_verify_across_chunks_keeps_greedy_tokens(tiny_model_factory
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == [hf_greedy(hf_model, p, 24) for p in prompts]
     assert llm.engine.stats().spec_num_drafts > 0
+
+
+def test_lora_adapter_matches_peft(tiny_model_factory, tmp_path) -> None:
+    """A PEFT LoRA on the attention (q/k outputs reordered like the base rows) and on the
+    dense layers' MLPs gives the tokens of PEFT's merged model; one on a shared expert is
+    refused with a clear error."""
+    import copy
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from server import LoRARequest
+    from server.models.loader import load_model_config, resolve_model_source
+    from server.models.lora.peft import AdapterError, load_peft_adapter
+
+    folder, hf_model = tiny(tiny_model_factory)[:2]
+
+    def adapter(targets: str, path) -> str:  # noqa: ANN001 - a Path
+        torch.manual_seed(1)
+        peft_model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(
+            r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.5)
+        peft_model.save_pretrained(path)
+        return str(path)
+
+    dense = adapter(r".*self_attn\.(q|k|v|o)_proj|.*layers\.(0|2)\.feed_forward\.\w+_proj",
+                    tmp_path / "dense")
+    reference = PeftModel.from_pretrained(copy.deepcopy(hf_model), dense).merge_and_unload()
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=2, enable_lora=True,
+              max_loras=1, max_lora_rank=8)
+    prompt = torch.randint(3, hf_model.config.vocab_size, (21,),
+                           generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = llm.generate([prompt], params, lora_request=LoRARequest("a", 1, dense))
+    assert got[0].outputs[0].token_ids == hf_greedy(reference.eval(), prompt, 12)
+    assert got[0].outputs[0].token_ids != hf_greedy(hf_model, prompt, 12)
+    shared = adapter(r".*shared_expert\.gate_proj", tmp_path / "shared")
+    cfg = load_model_config(resolve_model_source(folder))
+    with pytest.raises(AdapterError, match="shared_expert"):
+        load_peft_adapter(shared, cfg, 8, torch.float32)

@@ -15,6 +15,7 @@ from server.config import SchedulerLimits
 from server.engine.core.block_manager import AllocationPlan, BlockManager
 from server.engine.core.fair_share import ClientQueues, block_victim, fair_victim
 from server.engine.core.sequence import ScheduledBatch, Sequence, SequenceStatus
+from server.engine.core.state_cache import StateSlots
 from server.engine.multimodal.inputs import chunk_end
 from server.hpu.types import Phase
 
@@ -70,8 +71,12 @@ class Scheduler:
         fuse_decodes: bool = False,
         max_loras: int | None = None,
         speculation: Speculation | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
         self.limits = limits
+        # hybrid models: a running sequence also holds a state slot (taken on admission,
+        # given back with its blocks)
+        self.state_slots = state_slots
         # --speculative-config: decodes carry draft tokens (a verify step)
         self.speculation = speculation
         # --enable-lora: distinct adapters among the running sequences, at most (the device
@@ -165,6 +170,8 @@ class Scheduler:
         """Retires a sequence that ran (stopped or aborted): its blocks go back to the pool."""
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
         self._admitted_at.pop(seq.seq_id, None)
         if seq in self.running:
             self.running.remove(seq)
@@ -192,7 +199,7 @@ class Scheduler:
             if seq is None:
                 break
             plan = self.block_manager.plan(seq)
-            if not plan.fits:
+            if not plan.fits or not self._state_slot_free():
                 break
             if plan.num_cached_tokens and self.limits.context_prefill_alone:
                 if seqs:  # static shapes: a prefill after a cached prefix runs alone
@@ -253,7 +260,7 @@ class Scheduler:
             if seq is None:
                 break
             plan = self.block_manager.plan(seq)
-            if not plan.fits:
+            if not plan.fits or not self._state_slot_free():
                 break
             chunk = self._chunk(seq, plan.num_cached_tokens, budget)
             if chunk == 0:
@@ -336,10 +343,15 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.state_slots is not None:  # recomputed from its tokens when it comes back
+            self.state_slots.free(seq)
         self._admitted_at.pop(seq.seq_id, None)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)  # ahead of later arrivals
+
+    def _state_slot_free(self) -> bool:
+        return self.state_slots is None or self.state_slots.num_free > 0
 
     def _running_counts(self) -> Counter[str]:
         """Running sequences per client (fair share only; empty otherwise)."""
@@ -378,6 +390,8 @@ class Scheduler:
             self._queues.pop(seq)
             counts[seq.client] += 1
         self.block_manager.allocate(seq, plan)
+        if self.state_slots is not None:
+            self.state_slots.allocate(seq)
         if seq.lora is not None:
             self._pass_loras.add(seq.lora.lora_int_id)
         seq.status = SequenceStatus.RUNNING

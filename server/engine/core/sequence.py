@@ -58,6 +58,9 @@ class Sequence:
     client: str = ""
     # the adapter it runs with (--enable-lora; None: the base model)
     lora: LoRARequest | None = None
+    # hybrid models: its slot in the state cache while it runs (server/engine/core/
+    # state_cache.py); None while it waits
+    state_slot: int | None = None
     # its prompt's images: where their placeholder tokens sit, their hashes and pixels
     images: tuple[ImageSpan, ...] = ()
 

@@ -18,6 +18,7 @@ from server.engine.core.sequence import Sequence
 from server.engine.sampling_params import SamplingParams
 from server.hpu.attention import AttentionMetadata
 from server.hpu.graph_runner import ForwardInputs
+from server.hpu.state_cache import StateInputs
 from server.hpu.types import Bucket, DecodeLayout, Phase
 
 # Additive mask value for unused slots of a block (finite: -inf - -inf would be NaN).
@@ -37,6 +38,23 @@ class InputBuilder:
     max_model_len: int
     # whichever the model's layer ops read
     decode_layout: DecodeLayout = DecodeLayout.FLAT
+    # hybrid models: the state cache's padding slot (pad rows and warmup's stand-ins use
+    # it); None: the model keeps no state
+    pad_state_slot: int | None = None
+
+    def _state(self, seqs: list[Sequence], bs: int, lens: list[int], continues: list[bool]
+               ) -> StateInputs | None:
+        """Each row's state slot, real tokens and whether it continues a state; pad rows
+        take the padding slot with no tokens."""
+        if self.pad_state_slot is None:
+            return None
+        pad = bs - len(seqs)
+        slots = [self.pad_state_slot if s.state_slot is None else s.state_slot for s in seqs]
+        dev = self.device
+        return StateInputs(
+            torch.tensor(slots + [self.pad_state_slot] * pad, device=dev),
+            torch.tensor(list(lens) + [0] * pad, device=dev),
+            torch.tensor(list(continues) + [False] * pad, device=dev))
 
     def prefill(
         self, seqs: list[Sequence], pad_to: tuple[int, int] | None = None,
@@ -101,6 +119,7 @@ class InputBuilder:
             meta,
             logits_indices.to(self.device),
             len(seqs),
+            state=self._state(seqs, bs, lens, [c > 0 for c in starts]),
         )
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]],
@@ -249,6 +268,7 @@ class InputBuilder:
             meta,
             torch.arange(bs).to(dev),
             len(seqs),
+            state=self._state(seqs, bs, [1] * len(seqs), [True] * len(seqs)),
         )
 
     def _decode_tables(self, seqs: list[Sequence]) -> ForwardInputs:
@@ -273,6 +293,7 @@ class InputBuilder:
             meta,
             torch.arange(bs, device=dev),
             bs,
+            state=self._state(seqs, bs, [1] * bs, [True] * bs),
         )
 
     # warmup: shapes without requests
