@@ -141,3 +141,16 @@ def test_encoder_plan_and_flag() -> None:
                        ('{"image": -1}', "count >= 0"), ("x", "expected JSON")):
         with pytest.raises(ValueError, match=words):
             parse_mm_limits(bad)
+
+
+def test_buckets_command_prints_the_encoder_plan(tiny_llava, capsys) -> None:
+    """``hpu-serve buckets MODEL``: the step plan, then the encoder's (config.json only)."""
+    from server.cli import main
+
+    assert main(["buckets", tiny_llava[0], "--max-model-len", "256", "--max-num-seqs", "4",
+                 "--limit-mm-per-prompt", '{"image": 2}']) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == ("Generated 4 encoder buckets [images, patches] (3x30x30 pixels per image): "
+                    "[(1, 25), (2, 25), (4, 25), (8, 25)]")
+    assert main(["buckets", "--max-model-len", "256"]) == 0  # no model: no encoder line
+    assert "encoder" not in capsys.readouterr().out
