@@ -370,7 +370,7 @@ def test_state_cache_comes_out_of_the_kv_budget(tiny_model_factory) -> None:
     states = runner.state_caches
     assert len(states) == 3 and all(t.shape[0] == 17 for layer in states for t in layer)
     held = sum(t.numel() * t.element_size() for layer in states for t in layer)
-    assert runner.state_cache_bytes == held
+    assert runner.state.nbytes == held
     per_block = kv_bytes_per_block(1, cfg.num_kv_heads, cfg.head_dim, 4, torch.float32)
     assert runner.num_blocks == (budget - held) // per_block - 1
 
