@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from server.engine.beam_search import BeamSearchParams
     from server.engine.llm import LLM
     from server.engine.lora.request import LoRARequest
     from server.engine.sampling_params import SamplingParams
@@ -22,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from server.engine.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from server.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "LoRARequest":
         from server.engine.lora.request import LoRARequest
 

@@ -9,10 +9,13 @@ import threading
 
 from server.bench.cli import add_bench_args
 from server.config import (
+    BatchOptions,
     BucketFitOptions,
     BucketingConfig,
     CacheConfig,
     EngineConfig,
+    ModelOptions,
+    MultiModalConfig,
     PoolingConfig,
     Runner,
     SchedulerConfig,
@@ -55,8 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
               defaults={"max_model_len": PLAN_MAX_MODEL_LEN})
     add_flags(buckets, BucketFitOptions)
     add_flags(buckets, SpeculativeConfig)
+    # a vision model's encoder buckets: its folder's config.json (no weights) and the limit
+    add_flags(buckets, ModelOptions, only=("model",))
+    add_flags(buckets, MultiModalConfig, only=("limit_mm_per_prompt",))
     # a pooling model's plan is (batch, length) shapes of whole inputs, not prompt buckets
     add_flags(buckets, PoolingConfig, only=("runner", "convert", "task"))
+    batch = sub.add_parser("run-batch", help="answer an OpenAI batch file offline (vLLM's "
+                           "run-batch): one answer line per request", formatter_class=HelpFormatter,
+                           epilog=env_help(EngineConfig, ServerConfig))
+    add_flags(batch, EngineConfig, ServerConfig, BatchOptions)
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
                            "synthetic streaming workload", formatter_class=HelpFormatter)
@@ -78,11 +88,14 @@ def vllm_spelling(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("serve", "buckets", "platforms", "bench", "-h", "--help"):
+    if not argv or argv[0] not in ("serve", "run-batch", "buckets", "platforms", "bench", "-h",
+                                   "--help"):
         argv = ["serve", *argv]  # `python -m server MODEL ...` means serve
     args = build_parser().parse_args(vllm_spelling(argv))
     if args.command == "serve":
         return serve(args)
+    if args.command == "run-batch":
+        return run_batch(args)
     if args.command == "buckets":
         if args.suggest:
             from server.hpu.buckets.suggest import suggest_buckets
@@ -128,7 +141,36 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
     verify = (verify_buckets(ranges, spec.query_len, spec.disable_by_batch_size)
               if spec is not None else None)
     print(format_plan(ranges, verify))
+    encoder = encoder_plan(args, batched)
+    if encoder:
+        print(encoder)
     return 0
+
+
+def encoder_plan(args: argparse.Namespace, max_num_batched_tokens: int) -> str | None:
+    """A vision model's encoder buckets, from its config.json alone (None: no model given,
+    or a text-only one)."""
+    model = args.model_flag or args.model
+    if not model:
+        return None
+    from server.hpu.buckets.encoder import (
+        encoder_buckets,
+        format_encoder_plan,
+        max_encoder_images,
+    )
+    from server.models.loader import load_vision_config, resolve_model_source
+
+    try:
+        cfg = load_vision_config(resolve_model_source(model))
+        limit = MultiModalConfig(limit_mm_per_prompt=args.limit_mm_per_prompt).image_limit
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if cfg is None:
+        return None
+    buckets = encoder_buckets(max_encoder_images(limit, args.max_num_seqs,
+                                                 max_num_batched_tokens, cfg.tokens_per_image))
+    return format_encoder_plan(buckets, cfg.num_patches,
+                               f"{cfg.num_channels}x{cfg.image_size}x{cfg.image_size}")
 
 
 def print_pooling_buckets(args: argparse.Namespace) -> int:
@@ -158,16 +200,13 @@ def print_platforms() -> int:
     return 0
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Loads and warms up the engine, then serves; returns the process's exit status:
-    0 after a SIGTERM drain, 1 when the engine died (the orchestrator restarts the pod)."""
-    from server.api.app import build_app
+def checked_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """serve's configs from the flags and the environment; a bad flag or variable: one line
+    naming it, before anything loads. Logging starts in --log-format."""
     from server.api.chat_output import chat_parsers
-    from server.api.http_server import HttpServer, check_tls
-    from server.engine.async_engine import AsyncEngine
-    from server.models.errors import ModelFileError
+    from server.api.http_server import check_tls
 
-    try:  # a bad flag or variable: one line naming it, before anything loads
+    try:
         engine_cfg = engine_config_from_args(args)
         server_cfg = server_config_from_args(args)
         chat_parsers(server_cfg.chat)  # an unknown parser name fails before the model loads
@@ -178,6 +217,18 @@ def serve(args: argparse.Namespace) -> int:
     init_logging(server_cfg.logging.log_format)
     for line in ignored_flags(engine_cfg.vllm_no_op):
         logger.warning("%s", line)
+    return engine_cfg, server_cfg
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Loads and warms up the engine, then serves; returns the process's exit status:
+    0 after a SIGTERM drain, 1 when the engine died (the orchestrator restarts the pod)."""
+    from server.api.app import build_app
+    from server.api.http_server import HttpServer
+    from server.engine.async_engine import AsyncEngine
+    from server.models.errors import ModelFileError
+
+    engine_cfg, server_cfg = checked_configs(args)
     engine_dead = threading.Event()
 
     def engine_died(exc: BaseException) -> None:  # on the engine's thread
@@ -197,6 +248,51 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("serving %s on %s://%s:%d", engine.model_name,
                 "https" if server_cfg.tls else "http", server_cfg.host, server_cfg.port)
     http.run()
+    return 1 if engine.dead_reason is not None else 0
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """vLLM's ``run-batch``: loads the engine as serve does, answers every request of the
+    batch file through the server's routes (no port), writes the answer lines; 0 when every
+    line has its answer (refusals included), 1 when the engine died on the way."""
+    import asyncio
+
+    from server.api.app import build_app
+    from server.api.batch import read_batch
+    from server.api.batch import run_batch as answer_batch
+    from server.api.batch.metrics import serve_metrics
+    from server.engine.async_engine import AsyncEngine
+    from server.models.errors import ModelFileError
+
+    opts = build(BatchOptions, args, environ={})
+    try:
+        opts.validate()
+        with (sys.stdin if opts.input_file == "-" else open(opts.input_file)) as f:
+            requests = read_batch(f.read())  # a malformed file fails before the model loads
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    engine_cfg, server_cfg = checked_configs(args)
+    late = serve_metrics(server_cfg.host, server_cfg.port) if opts.enable_metrics else None
+    try:
+        engine = AsyncEngine.from_config(engine_cfg)
+    except ModelFileError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    engine.call(engine.engine.warmup)
+    app = build_app(engine, server_cfg)
+    if late is not None:
+        late.registry = app.state.metrics.registry
+    logger.info("run-batch: %d requests from %s", len(requests), opts.input_file)
+    outputs = asyncio.run(answer_batch(app, requests, api_key=server_cfg.api_key,
+                                       concurrency=2 * engine_cfg.scheduler.max_num_seqs))
+    lines = "".join(out.model_dump_json() + "\n" for out in outputs)
+    if opts.output_file == "-":
+        sys.stdout.write(lines)
+    else:
+        with open(opts.output_file, "w") as f:
+            f.write(lines)
+    failed = sum(out.error is not None for out in outputs)
+    logger.info("run-batch: %d answers written to %s (%d with an error)", len(outputs),
+                opts.output_file, failed)
     return 1 if engine.dead_reason is not None else 0
 
 if __name__ == "__main__":

@@ -70,6 +70,15 @@ class EngineCollector(Collector):
         by_reason.add_metric([self._model, "capacity"], s.num_waiting)
         by_reason.add_metric([self._model, "deferred"], 0)
         yield by_reason
+        # vLLM's one-hot sleep gauge: awake, or asleep at level 1 (weights offloaded) or 2
+        # (weights and KV cache discarded); a partial wake still reads as the sleep
+        level = getattr(s, "sleep_level", 0)
+        sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state: 1 on the "
+                                  "state the engine is in.", labels=[*labels, "sleep_state"])
+        for state, value in (("awake", level == 0), ("weights_offloaded", level == 1),
+                             ("discard_all", level == 2)):
+            sleep.add_metric([self._model, state], float(value))
+        yield sleep
         for name, doc, value in (
             ("vllm:num_preemptions", "Preemptions by recompute.", s.num_preemptions),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

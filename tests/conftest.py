@@ -127,6 +127,41 @@ def save_tiny_model(
             head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
             norm_topk_prob=False, mlp_only_layers=[1], **common)
         cls = transformers.Qwen3MoeForCausalLM
+    elif model_type in ("deepseek_v3", "deepseek_v2"):
+        config, cls = _deepseek_config(model_type, common, rope_scaling)
+    elif model_type == "gpt_oss":
+        # windowed and global layers alternating (layer_types' default), 4 experts of 64,
+        # top-2; head size 64 as released (!= hidden / heads); YaRN as released (factor 4
+        # over a 128-token original context here)
+        common["intermediate_size"] = 64  # MXFP4 packs 32 inputs a block
+        config = transformers.GptOssConfig(
+            head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=sliding_window or 8,
+            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                 original_max_position_embeddings=128), **common)
+        cls = transformers.GptOssForCausalLM
+    elif model_type in ("llama4_text", "llama4"):
+        # layers 0-2 rotate and attend within 8-token chunks (prompts and decodes here
+        # cross several), layer 3 is NoPE with a query temperature that steps every 4
+        # positions; layers 1 and 3 MoE (4 experts of 32, top-1, a shared expert), 0 and 2
+        # dense MLPs of 96 (intermediate_size_mlp)
+        common.update(num_hidden_layers=4, intermediate_size=32)
+        text = dict(head_dim=16, intermediate_size_mlp=96, num_local_experts=4,
+                    num_experts_per_tok=1, interleave_moe_layer_step=2,
+                    attention_chunk_size=sliding_window or 8, floor_scale=4, attn_scale=0.5,
+                    **common)
+        if model_type == "llama4_text":
+            config = transformers.Llama4TextConfig(**text)
+            cls = transformers.Llama4ForCausalLM
+        else:  # the conditional-generation checkpoint, with a tiny vision tower
+            vision = transformers.Llama4VisionConfig(
+                hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=64, image_size=56, patch_size=14, vision_output_dim=32,
+                projector_input_dim=64, projector_output_dim=64)
+            config = transformers.Llama4Config(text_config=text, vision_config=vision,
+                                               tie_word_embeddings=tie)
+            cls = transformers.Llama4ForConditionalGeneration
     elif model_type == "qwen3_next":
         # linear (Gated DeltaNet) layers 0-2, full attention layer 3; 2 key heads of 4
         # value heads each with a 16 x 16 state, a 4-tap convolution; every MLP 6 experts
@@ -167,6 +202,15 @@ def save_tiny_model(
             if p.dim() in (2, 3):  # 3-D: experts stacked [E, out, in], each a matrix
                 p.mul_(3.0)
         for name, p in model.named_parameters():
+            if name.endswith(("sinks", "bias")) and model_type == "gpt_oss":
+                p.normal_(0.0, 1.0)  # transformers initialises them to zero: make them count
+            if name.endswith(("q_norm.weight", "k_norm.weight")) or (
+                    model_type.startswith("gemma") and name.endswith("norm.weight")):
+                p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: make it choose
+                buffer.copy_(torch.rand(buffer.shape, generator=torch.Generator()
+                                        .manual_seed(seed)) * 0.5)
             if name.endswith(("q_norm.weight", "k_norm.weight", "linear_attn.norm.weight")) or (
                     model_type.startswith("gemma") and name.endswith("norm.weight")):
                 p.uniform_(0.5, 1.5)  # not all ones: a swapped or skipped norm shows
@@ -176,6 +220,32 @@ def save_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return model, tokenizer
+
+
+def _deepseek_config(model_type: str, common: dict, rope_scaling: dict | None) -> tuple:
+    """DeepSeek-V3 (or V2) in miniature: latent attention with a value head smaller than
+    the query / key head, q through a low-rank pair (V3) or direct (V2), layer 0 dense and
+    the others 8 routed experts in 4 groups (2 eligible, top-2) plus a shared expert, YaRN
+    whose mscale changes both the RoPE tables and the softmax scale."""
+    import transformers
+
+    common = dict(common, num_hidden_layers=3, num_key_value_heads=None)
+    v3 = model_type == "deepseek_v3"
+    rope = rope_scaling or dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0,
+                                original_max_position_embeddings=128, mscale=1.0,
+                                mscale_all_dim=0.8, beta_fast=32, beta_slow=1)
+    mla = dict(kv_lora_rank=32, q_lora_rank=48 if v3 else None, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=12)
+    moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+               routed_scaling_factor=2.5)
+    if v3:
+        return transformers.DeepseekV3Config(
+            rope_parameters=rope, norm_topk_prob=True, **mla, **moe, **common
+        ), transformers.DeepseekV3ForCausalLM
+    return transformers.DeepseekV2Config(
+        rope_parameters=rope, topk_method="group_limited_greedy", **mla, **moe, **common
+    ), transformers.DeepseekV2ForCausalLM
 
 
 @pytest.fixture(scope="session")

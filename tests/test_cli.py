@@ -11,7 +11,13 @@ import httpx
 import pytest
 
 from server.cli import build_parser, main
-from server.config import BenchOptions, BucketFitOptions, EngineConfig, ServerConfig
+from server.config import (
+    BatchOptions,
+    BenchOptions,
+    BucketFitOptions,
+    EngineConfig,
+    ServerConfig,
+)
 from server.config.fields import Source, spec_of, walk
 
 # `hpu-serve {serve,buckets,bench}` before the flags were generated from the config fields:
@@ -162,6 +168,7 @@ def help_of(command: str) -> str:
 
 @pytest.mark.parametrize(("command", "classes"), [
     ("serve", (EngineConfig, ServerConfig)), ("bench", (BenchOptions,)),
+    ("run-batch", (EngineConfig, ServerConfig, BatchOptions)),
 ])
 def test_help_shows_every_field_with_its_help_and_variable(command: str,
                                                            classes: tuple[type, ...]) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 import server.config as config_pkg
 from server.config import (
+    BatchOptions,
     BenchOptions,
     BucketFitOptions,
     EngineConfig,
@@ -99,7 +100,8 @@ def test_example_env_file_matches_the_defaults() -> None:
 
 
 # one parser each: the classes whose flags share it
-PARSERS = [(EngineConfig, ServerConfig), (BenchOptions,), (BucketFitOptions,)]
+PARSERS = [(EngineConfig, ServerConfig), (EngineConfig, ServerConfig, BatchOptions),
+           (BenchOptions,), (BucketFitOptions,)]
 # resolved at run time from the flags and the model, never configured directly
 NOT_CONFIGURED = {"SchedulerLimits", "SpeculativeSettings"}  # resolved from flags
 

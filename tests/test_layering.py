@@ -37,19 +37,21 @@ def test_no_upward_imports(layer: str) -> None:
 ENGINE_LEAVES = ["server.engine.outputs", "server.engine.sampling_params",
                  "server.engine.errors", "server.engine.inputs", "server.engine.sleep",
                  "server.engine.pooling.params", "server.engine.pooling.outputs",
-                 "server.engine.lora.request"]
+                 "server.engine.lora.request", "server.engine.multimodal.inputs"]
 # Inside the engine, each role may import only these engine modules (and server.config,
 # server.hpu, server.models): the core knows nothing of the device, the worker nothing of the
 # executors or the front end, the front end (server/engine/*.py) everything.
 ENGINE_ROLES = {
     "server.engine.core": ["server.engine.core"],
     "server.engine.worker": ["server.engine.core", "server.engine.worker",
-                             "server.engine.lora"],
+                             "server.engine.lora", "server.engine.multimodal"],
     "server.engine.executor": ["server.engine.core", "server.engine.worker",
                                "server.engine.executor"],
     "server.engine.structured_outputs": ["server.engine.structured_outputs"],
     # adapters: the runner's slots and host cache, the front end's registry
     "server.engine.lora": ["server.engine.lora"],
+    # images: the processor (front end) and the encoder phase (worker), over sequences
+    "server.engine.multimodal": ["server.engine.core", "server.engine.multimodal"],
 }
 
 

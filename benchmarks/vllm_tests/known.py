@@ -10,6 +10,8 @@ NA_PREFIX = "not applicable: "
 
 LORA_HUB = ("a LoRA adapter downloaded from the hub for the test's own base model; its shapes "
             "do not fit the embedded 135M model")
+AUDIO = ("speech to text (Whisper's /v1/audio/transcriptions and translations); hpu-serve "
+         "serves text models, and the test's audio is fetched from the hub")
 VLLM_UNIT = "a unit test of vLLM's internal Python objects, not of the HTTP server"
 
 # (file, part of the test id) -> reason
@@ -19,6 +21,8 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("chat_completion/test_chat.py", "zephyr-lora"): LORA_HUB,
     ("models/test_models.py", "test_check_models"): LORA_HUB,
     ("models/test_models.py", "test_retrieve_lora_model"): LORA_HUB,
+    ("openai/test_run_batch.py", "test_transcription"): AUDIO,
+    ("openai/test_run_batch.py", "test_translation"): AUDIO,
 }
 
 
@@ -59,9 +63,6 @@ FAILURES: dict[str, tuple[Kind, str]] = {
     "completion/test_completion.py::test_completion_streaming": (
         Kind.MODEL_SPECIFIC, "expects the 5-token answer to \"What is an LLM?\" to be cut "
         "by max_tokens; SmolLM2-135M's greedy answer ends (EOS) within 5 tokens"),
-    "completion/test_completion.py::test_batch_completions": (
-        Kind.MISSING_FEATURE, "beam search (use_beam_search): refused with a 400 naming it; "
-        "not built"),
     "completion/test_completion.py::test_completion_truncation_side": (
         Kind.BEHAVIOUR, "truncation_side was ignored (fixed on this branch: "
         "tests/api/test_completion_defaults.py)"),
@@ -86,10 +87,6 @@ FAILURES: dict[str, tuple[Kind, str]] = {
     "chat_completion/test_chat.py::test_invocations": (
         Kind.HARNESS, "openai 3.57's model_dump() adds metadata, moderation and service_tier, "
         "which no server sends (vLLM neither); /invocations' keys match the wire answer"),
-    "sleep/test_sleep.py::test_sleep_mode": (
-        Kind.MISSING_FEATURE, "the vllm:engine_sleep_state gauge (sleep_state awake / "
-        "weights_offloaded / discard_all) is not exported; /sleep, /wake_up and /is_sleeping "
-        "themselves exist (docs/sleep.md). Nobody builds it yet"),
     "responses/test_basic.py::test_simple_input": (
         Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's answer (\"312\" for 13 * 24) and a "
         "reasoning item (Qwen3 thinks in <think>; SmolLM2-135M does neither)"),
@@ -99,10 +96,6 @@ FAILURES: dict[str, tuple[Kind, str]] = {
     "responses/test_basic.py::test_chat": (
         Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's arithmetic (\"30\" for 15 x 2); "
         "SmolLM2-135M answered \"45. QED.\""),
-    "responses/test_basic.py::test_logprobs": (
-        Kind.MISSING_FEATURE, "logprobs on /v1/responses (include "
-        "message.output_text.logprobs, top_logprobs): refused with a 400 naming include; "
-        "nobody builds it yet"),
     "test_metrics.py::test_metrics_counts[-text]": (
         Kind.MISSING_FEATURE, "vllm:iteration_tokens_total was missing (built on this branch: "
         "tests/api/test_vllm_metrics.py; the module's later servers, started after the fix, "
@@ -116,11 +109,6 @@ FAILURES: dict[str, tuple[Kind, str]] = {
         Kind.MISSING_FEATURE, "image input: the test sends an image to a vision-language "
         "model (SmolVLM); hpu-serve serves text-only models (not planned in this round). The "
         "module's text requests to the same server pass"),
-    "test_metrics.py::test_metrics_exist_run_batch": (
-        Kind.MISSING_FEATURE, "vLLM's run-batch (python -m vllm.entrypoints.openai.run_batch: "
-        "an OpenAI batch file run offline, serving /metrics meanwhile), here with an "
-        "embeddings model; hpu-serve has no batch-file runner (embeddings: in progress, "
-        "branch pooling)"),
 }
 
 

@@ -38,6 +38,7 @@ TEST_FILES = (
     "tests/entrypoints/openai/models/test_models.py",
     "tests/entrypoints/openai/responses/test_basic.py",
     "tests/entrypoints/openai/responses/test_simple.py",
+    "tests/entrypoints/openai/test_run_batch.py",
     "tests/entrypoints/serve/tokenize/test_tokenization.py",
     "tests/entrypoints/serve/instrumentator/test_metrics.py",
     "tests/entrypoints/serve/sleep/test_sleep.py",
@@ -48,6 +49,14 @@ CONFTESTS = (
     "tests/entrypoints/openai/basic/conftest.py",
     "tests/entrypoints/openai/responses/conftest.py",
 )
+
+
+VLLM_COMMAND = """import sys
+from vllm.entrypoints.openai.run_batch import main
+if sys.argv[1:2] != ["run-batch"]:
+    sys.exit("vllm: only run-batch is stood in for")
+main(sys.argv[2:])
+"""
 
 
 @dataclass
@@ -80,6 +89,17 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
         dst = staging / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, dst)
+    # the stand-in for the embedding models the tests name (the embedded model is a GGUF
+    # file, which hpu-serve's pooling runner does not load): the test suite's tiny Llama
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import save_tiny_model
+
+    save_tiny_model(staging / "embedder")
+    # ``vllm run-batch`` as the tests call it: the shim's run-batch, in this interpreter
+    (staging / "bin").mkdir()
+    command = staging / "bin" / "vllm"
+    command.write_text(f"#!{sys.executable}\n" + VLLM_COMMAND)
+    command.chmod(0o755)
     for folder in (staging / "tests").rglob("*"):
         if folder.is_dir():
             (folder / "__init__.py").touch()
@@ -100,14 +120,37 @@ def _message(case: ET.Element) -> str:
     return ""
 
 
-def run_file(staging: Path, rel: str, timeout_s: int, log_dir: Path) -> FileResult:
+def merged(earlier: FileResult, later: FileResult) -> FileResult:
+    """``earlier`` with each test ``later`` ran replaced by its later result (a run of some
+    of a file's tests, ``--keyword``, updates only those)."""
+    def entries(r: FileResult) -> dict[str, tuple[str, str]]:
+        out = {t: ("passed", "") for t in r.passed}
+        for kind in ("failed", "skipped", "not_applicable"):
+            out.update({t: (kind, m) for t, m in getattr(r, kind)})
+        return out
+
+    tests = {**entries(earlier), **entries(later)}
+    result = FileResult(earlier.path, crashed=later.crashed)
+    for test_id, (kind, message) in tests.items():
+        if kind == "passed":
+            result.passed.append(test_id)
+        else:
+            getattr(result, kind).append((test_id, message))
+    return result
+
+
+def run_file(staging: Path, rel: str, timeout_s: int, log_dir: Path,
+             keyword: str | None = None) -> FileResult:
     result = FileResult(rel)
     junit = log_dir / (rel.replace("/", "__") + ".xml")
     log = log_dir / (rel.replace("/", "__") + ".log")
-    env = dict(os.environ, HPU_SERVE_ROOT=str(ROOT), PYTHONPATH=str(staging))
+    env = dict(os.environ, HPU_SERVE_ROOT=str(ROOT), PYTHONPATH=str(staging),
+               PATH=f"{staging / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+               VLLM_SHIM_EMBEDDER=str(staging / "embedder"))
     cmd = [sys.executable, "-m", "pytest", rel, "-p", "no:cacheprovider", "-p", "no:randomly",
            "-p", "no:anyio", f"--timeout={timeout_s}", "-rA",
-           f"--junitxml={junit}", "-o", "junit_family=xunit2"]
+           f"--junitxml={junit}", "-o", "junit_family=xunit2",
+           *(["-k", keyword] if keyword else [])]
     with open(log, "w") as out:
         subprocess.run(cmd, cwd=staging, env=env, stdout=out, stderr=subprocess.STDOUT)
     if not junit.exists():
@@ -177,17 +220,22 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[],
                         help="run only the files whose path contains this (repeatable)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    parser.add_argument("--keyword", help="run only the tests pytest -k selects (merged into "
+                                          "earlier runs of the file by --from-json)")
     parser.add_argument("--from-json", type=Path, nargs="+", default=[],
                         help="run nothing: one report from earlier runs' JSON files (each "
-                             "file's latest run counts; failures are classified afresh)")
+                             "test's latest run counts, in the order given; failures are "
+                             "classified afresh)")
     args = parser.parse_args()
     if args.from_json:
-        merged: dict[str, FileResult] = {}
+        results: dict[str, FileResult] = {}
         for path in args.from_json:
             for raw in json.loads(path.read_text()):
-                merged[raw["path"]] = FileResult(**raw)
+                later = FileResult(**raw)
+                earlier = results.get(later.path)
+                results[later.path] = later if earlier is None else merged(earlier, later)
         order = {f: i for i, f in enumerate(TEST_FILES)}
-        text = report(sorted(merged.values(), key=lambda r: order.get(r.path, len(order))))
+        text = report(sorted(results.values(), key=lambda r: order.get(r.path, len(order))))
         print(text)
         if args.report:
             args.report.write_text(text)
@@ -199,7 +247,7 @@ def main() -> None:
     results = []
     for rel in files:
         print(f"running {rel} ...", flush=True)
-        results.append(run_file(staging, rel, args.timeout, log_dir))
+        results.append(run_file(staging, rel, args.timeout, log_dir, args.keyword))
         r = results[-1]
         print(f"  {len(r.passed)} passed, {len(r.failed)} failed, {len(r.skipped)} skipped, "
               f"{len(r.not_applicable)} not applicable {r.crashed}", flush=True)

@@ -58,6 +58,22 @@ class TextPart(OpenAIModel):
     text: Text
 
 
+class ImageURL(OpenAIModel):
+    # a data: URI (PNG, JPEG, WebP), an http(s) URL, or a file:// path under
+    # --allowed-local-media-path; fetched and checked by server/api/media
+    url: str = Field(min_length=1)
+    # OpenAI's resolution hint; LLaVA's processor has one resolution, so it changes nothing
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class FunctionCall(OpenAIModel):
     name: Text = Field(max_length=256)
     arguments: Text = Field("{}", max_length=1024 * 1024)  # JSON text, as OpenAI sends it
@@ -75,7 +91,7 @@ class ChatMessage(OpenAIModel):
     # OpenAI's roles are system, user, assistant, developer and tool; like vLLM, any other
     # name goes to the chat template as it is (a template that does not know it says so)
     role: Annotated[Text, Field(min_length=1, max_length=64)]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, max_length=1024)
     tool_call_id: Text | None = Field(None, max_length=256)

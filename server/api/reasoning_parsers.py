@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from server.api.harmony import MESSAGE, START, EventKind, HarmonyReader
 from server.api.markers import partial_marker
 
 
@@ -22,6 +23,8 @@ class ReasoningParser:
     end: ClassVar[str] = "</think>"
     # True when the prompt already opened the reasoning (the output starts inside it)
     opened_by_prompt: ClassVar[bool] = False
+    # the markers are special tokens that detokenizing must keep (harmony)
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._state = "start"  # "start" (undecided), "reasoning", "content"
@@ -114,8 +117,49 @@ class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony messages (server/api/harmony.py): the ``analysis`` channel is the
+    reasoning; ``final``, preambles on ``commentary`` and text outside any message are the
+    answer. A message to a recipient (a tool call) stays in the answer as harmony markup,
+    whole (``<|start|>`` header ``<|message|>`` arguments ``<|call|>``), for the ``openai``
+    tool parser to read."""
+
+    name = "openai_gptoss"
+    start = "<|channel|>analysis<|message|>"
+    end = "<|channel|>final<|message|>"  # where a constraint on the answer starts
+    keeps_special_tokens = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reader = HarmonyReader()
+
+    def _run(self, s: str) -> None:
+        self._read(self._reader.feed(s))
+
+    def _end(self) -> None:
+        self._read(self._reader.finish())
+
+    def _read(self, events: list) -> None:
+        for event in events:
+            header = event.header
+            if header.recipient is not None:  # a call: passed on as markup
+                if event.kind is EventKind.BEGIN:
+                    raw = header.raw if header.raw.startswith("<|") else START + header.raw
+                    self._answer(f"{raw}{MESSAGE}")
+                elif event.kind is EventKind.END:
+                    self._answer("<|call|>")
+                else:
+                    self._answer(event.text)
+            elif event.kind is EventKind.TEXT:
+                if header.channel == "analysis":
+                    self._reason(event.text)
+                else:
+                    self._answer(event.text)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser,
+                        GptOssReasoningParser)
 }
 
 

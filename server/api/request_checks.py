@@ -29,7 +29,6 @@ def _only(*harmless: Any) -> Callable[[Any, SamplingFields], bool]:
 _UNSUPPORTED_ANY: Mapping[str, Callable[[Any, SamplingFields], bool]] = {
     "guided_whitespace_pattern": _unset,
     "logits_processors": _unset,
-    "use_beam_search": _unset,
     "prompt_embeds": _unset,
     # forcing the end of thinking needs the parser's end-of-thinking token; the reasoning
     # parsers here match text markers. -1 is vLLM's "unlimited" (unset).

@@ -20,7 +20,13 @@ import server
 from server.api.admission import AdmittedStream, ClientSeqs
 from server.api.answer_json import LOGPROB_FLOOR, LogprobFormatter, json_logprob
 from server.api.errors import APIError, error_body, stream_error
-from server.api.protocol import ChatMessage, PromptTokensDetails, SamplingFields, UsageInfo
+from server.api.protocol import (
+    ChatMessage,
+    PromptTokensDetails,
+    SamplingFields,
+    TextPart,
+    UsageInfo,
+)
 from server.api.reasoning_parsers import ReasoningParser
 from server.api.structured import structured_outputs_of
 from server.api.tool_parsers import ToolParser
@@ -29,6 +35,7 @@ from server.api.workers import BIG_REQUEST_BYTES, PreprocessPool
 from server.config import ChatOptions, RequestLimits
 from server.engine.inputs import Offload, PromptBuilder
 from server.engine.lora.request import LoRARequest
+from server.engine.multimodal.inputs import VisionInfo
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.pooling.params import PoolingModelInfo
 from server.engine.sampling_defaults import NO_DEFAULTS, SamplingDefaults
@@ -57,6 +64,10 @@ class EngineClient(Protocol):
     @property
     def sampling_defaults(self) -> SamplingDefaults:
         """What a request's unset sampling fields become (--generation-config)."""
+
+    @property
+    def vision(self) -> VisionInfo | None:
+        """A vision-language model's image rules (None: the model reads text only)."""
 
     @property
     def metrics_registry(self) -> CollectorRegistry:
@@ -193,7 +204,8 @@ def content_bytes(messages: list[ChatMessage]) -> int:
         if isinstance(m.content, str):
             total += len(m.content.encode("utf-8"))
         elif m.content:
-            total += sum(len(part.text.encode("utf-8")) for part in m.content)
+            total += sum(len(part.text.encode("utf-8")) for part in m.content
+                         if isinstance(part, TextPart))
     return total
 
 

@@ -10,8 +10,10 @@ from typing import Any
 from starlette.responses import Response
 
 from server.api.answer_json import answer_bytes
+from server.api.beam_search import beam_params, submit_beam_search
 from server.api.chat_output import ChoiceReader, DeltaParts
 from server.api.errors import APIError
+from server.api.media.chat import check_images, load_images, with_image_parts
 from server.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -23,6 +25,7 @@ from server.api.protocol import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCallOut,
+    TextPart,
     ToolCallOut,
 )
 from server.api.reasoning_parsers import ReasoningParser
@@ -76,9 +79,11 @@ class ChatRun:
 
 
 def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
-                       tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+                       tools: list[dict[str, Any]] | None, images: bool = False
+                       ) -> tuple[str, list[int]]:
     """The prompt text and token ids of ``req``'s messages (on a worker: long prompts).
     ``tools``: what the template is handed (the plan's; every tool_choice shows them).
+    ``images``: the messages carry image parts (each becomes the model's placeholder).
     Anthropic's count_tokens counts exactly this."""
     documents = sum(len(v.encode("utf-8")) for d in req.documents or [] for v in d.values())
     refuse_oversized(ctx, content_bytes(req.messages) + documents, "messages",
@@ -89,9 +94,10 @@ def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
         template_kwargs = {**(template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
     try:
         messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        text = tok.apply_chat_template(messages, req.add_generation_prompt, tools,
-                                       template_kwargs, req.continue_final_message,
-                                       req.documents)
+        parts = {"content_parts": True} if images else {}
+        text = tok.apply_chat_template(with_image_parts(messages) if images else messages,
+                                       req.add_generation_prompt, tools, template_kwargs,
+                                       req.continue_final_message, req.documents, **parts)
         return text, tok.encode(text, add_special_tokens=False)
     except ValueError as exc:  # no template, unsupported content parts, template errors
         raise APIError(400, str(exc), "messages") from None
@@ -119,17 +125,23 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
                             "true: a continued message gets no new turn", "continue_final_message")
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
     checked_template_kwargs(req.chat_template_kwargs)  # refused here, before it queues
+    vision = ctx.engine.vision
+    images = check_images(vision, req)  # counted and refused here; fetched on the worker
     vocab = ctx.engine.tokenizer.vocab_size
     params = build_sampling_params(req, requested_max, logprobs, vocab,
                                    prompt_logprobs_of(ctx.limits, req, vocab),
                                    defaults=ctx.sampling_defaults)
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
-        text, ids = render_chat_prompt(ctx, req, plan.tools)
-        return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text))
+        pixels = load_images(images, vision) if images and vision is not None else ()
+        text, ids = render_chat_prompt(ctx, req, plan.tools, bool(images))
+        return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text), pixels)
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are
-    stream = tapped(await submit(ctx, tag, build, params.n, lora=lora),
+    beams = beam_params(req, params.max_tokens or ctx.max_model_len, logprobs)
+    stream = tapped(await submit_beam_search(ctx, tag, build, beams, lora=lora,
+                                             logprobs=logprobs) if beams is not None
+                    else await submit(ctx, tag, build, params.n, lora=lora),
                     request_tap(ctx, params, tag))
     return ChatRun(stream, plan, ctx.reasoning_parser, answered_model(ctx, lora))
 
@@ -219,8 +231,9 @@ def _with_tool_constraint(ctx: ServingContext, params: SamplingParams, plan: Too
         constraint = constraint.model_copy(update={"start_after": reasoning.end})
     if constraint is not params.structured_outputs:
         update["structured_outputs"] = constraint
-    if plan.mode == "auto" and plan.parser is not None and plan.parser.keeps_special_tokens:
-        update["skip_special_tokens"] = False  # the call markers may be special tokens
+    if (plan.mode == "auto" and plan.parser is not None and plan.parser.keeps_special_tokens) \
+            or (reasoning is not None and reasoning.keeps_special_tokens):
+        update["skip_special_tokens"] = False  # the markers may be special tokens
     return params.model_copy(update=update) if update else params
 
 
@@ -236,7 +249,7 @@ def _echo_text(req: ChatCompletionRequest) -> str | None:
         return ""
     if isinstance(last.content, str):
         return last.content
-    return "\n".join(part.text for part in last.content)
+    return "\n".join(part.text for part in last.content if isinstance(part, TextPart))
 
 
 def _finish_reason(reason: str | None, reader: ChoiceReader) -> str | None:

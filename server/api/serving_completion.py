@@ -9,6 +9,7 @@ from typing import Any
 from starlette.responses import Response
 
 from server.api.answer_json import LogprobFormatter, answer_bytes
+from server.api.beam_search import beam_params, submit_beam_search
 from server.api.errors import APIError
 from server.api.protocol import (
     CompletionChoice,
@@ -100,12 +101,15 @@ async def create_completion(
     # echo with max_tokens 0 generates one token that is never shown, as vLLM does
     params = build_sampling_params(req, 1 if echo_only else requested_max, req.logprobs,
                                    vocab, prompt_logprobs, defaults=ctx.sampling_defaults)
+    beams = beam_params(req, params.max_tokens or ctx.max_model_len, req.logprobs)
     streams = []
     try:
         for i, prompt in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-            stream = await submit(ctx, tag, _builder(ctx, prompt, field, params), params.n,
-                                  index=i, lora=lora)
+            build = _builder(ctx, prompt, field, params)
+            stream = (await submit_beam_search(ctx, tag, build, beams, index=i, lora=lora,
+                                               logprobs=req.logprobs) if beams is not None
+                      else await submit(ctx, tag, build, params.n, index=i, lora=lora))
             index = i if len(prompts) > 1 else None
             streams.append(tapped(stream, request_tap(ctx, params, tag, index)))
     except BaseException:

@@ -8,9 +8,11 @@ from typing import Annotated, Any
 from pydantic import AfterValidator
 from pydantic_core import PydanticCustomError
 
-# What a content part of each non-text type is, for the error message.
+# What a content part of each non-text type is, for the error message. ``image_url`` parts
+# pass here: a vision model reads them, a text-only one refuses them by the same words
+# (server/api/media/chat.py).
 _MEDIA = {
-    "image_url": "images", "input_image": "images", "image": "images",
+    "input_image": "images", "image": "images",
     "input_audio": "audio", "audio_url": "audio", "audio": "audio",
     "video_url": "video", "video": "video",
     "file": "files", "input_file": "files",
@@ -40,8 +42,9 @@ Text = Annotated[str, AfterValidator(valid_unicode)]
 
 
 def text_only_parts(content: Any) -> Any:
-    """Refuses image / audio / file content parts before the union is tried, so the client
-    reads "images are not supported" rather than "Input should be a valid string"."""
+    """Refuses audio / video / file content parts (and image parts of other APIs' shapes)
+    before the union is tried, so the client reads "audio are not supported" rather than
+    "Input should be a valid string"."""
     if not isinstance(content, list):
         return content
     for index, part in enumerate(content):

@@ -7,6 +7,7 @@ else receives the sub-config it needs. Flag names follow ``vllm serve`` and envi
 keep vLLM's names, so an existing deployment's settings carry over.
 """
 
+from server.config.batch import BatchOptions
 from server.config.bench import BenchOptions
 from server.config.buckets import (
     BucketFitOptions,
@@ -27,6 +28,7 @@ from server.config.engine import (
 from server.config.logging import LogFormat, LoggingConfig
 from server.config.lora import LoRAConfig
 from server.config.model import CacheConfig, GiB, ModelOptions
+from server.config.multimodal import MultiModalConfig
 from server.config.pooling import Convert, PoolingConfig, Runner
 from server.config.responses import ResponsesStoreConfig
 from server.config.scheduler import MIN_BATCHED_TOKENS, SchedulerConfig, SchedulerLimits
@@ -47,9 +49,10 @@ from server.config.structured import StructuredOutputsBackend, StructuredOutputs
 from server.config.tracing import OtlpProtocol, TracingConfig
 
 __all__ = [
-    "MIN_BATCHED_TOKENS", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
+    "MIN_BATCHED_TOKENS", "BatchOptions", "BenchOptions", "BucketFitOptions", "BucketingConfig", "CacheConfig",
     "ChatOptions", "Convert", "DeviceConfig", "DimOverride", "EngineConfig", "ExecutionMode",
     "FairShare", "GiB", "LoRAConfig", "LogFormat", "LoggingConfig", "ModelOptions",
+    "MultiModalConfig",
     "OtlpProtocol", "ParallelConfig", "PoolingConfig", "RequestLimits", "ResponsesStoreConfig",
     "Runner", "SchedulerConfig", "SpecMethod", "SpeculativeConfig", "SpeculativeSettings",
     "SchedulerLimits", "ServerConfig", "StructuredOutputsBackend", "StructuredOutputsConfig",

@@ -14,6 +14,8 @@ from server.config.fields import add_flags, build, knob, section
 from server.config.lora import GROUP as LORA_GROUP
 from server.config.lora import LoRAConfig
 from server.config.model import CacheConfig, ModelOptions
+from server.config.multimodal import GROUP as MM_GROUP
+from server.config.multimodal import MultiModalConfig
 from server.config.pooling import PoolingConfig
 from server.config.scheduler import SchedulerConfig
 from server.config.server import FairShare, ServerConfig
@@ -37,6 +39,7 @@ class EngineConfig:
     pooling: PoolingConfig = section(PoolingConfig)
     lora: LoRAConfig = section(LoRAConfig, group=LORA_GROUP)
     speculative: SpeculativeConfig = section(SpeculativeConfig, group=SPEC_GROUP)
+    multimodal: MultiModalConfig = section(MultiModalConfig, group=MM_GROUP)
     vllm_no_op: VllmNoOpFlags = section(VllmNoOpFlags, group=NO_OP_GROUP)
     cache_dir: str | None = knob(
         None, env="HPU_SERVE_CACHE_DIR",

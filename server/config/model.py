@@ -49,11 +49,12 @@ class ModelOptions:
     chat_template: str | None = flag(None, help="Jinja template or a file with one")
     seed: int = flag(0, help="seed of random sampling")
     quantization: str | None = flag(
-        None, aliases=("-q",), choices=("gguf", "none", "gptq", "awq", "fp8", "compressed-tensors"),
+        None, aliases=("-q",), choices=("gguf", "none", "gptq", "awq", "fp8", "compressed-tensors",
+                                      "mxfp4"),
         help="gguf (default for .gguf files): Q4_0/Q4_1 weights stay 4-bit for decode batches "
              "of up to 4 rows (bf16 on CPU); none: dequantize everything to --dtype; gptq, "
-             "awq, fp8, compressed-tensors: what config.json says the checkpoint is (read from "
-             "it when unset; dequantized at load)")
+             "awq, fp8, compressed-tensors, mxfp4 (gpt-oss experts): what config.json says the "
+             "checkpoint is (read from it when unset; dequantized at load)")
     generation_config: str = flag(
         "auto", help="request defaults for sampling fields a request leaves unset: auto: the "
                      "model's generation_config.json (temperature, top_p, top_k, min_p, "

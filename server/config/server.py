@@ -70,9 +70,11 @@ class ChatOptions:
         False, help="let the model decide to call tools (tool_choice auto); needs "
                     "--tool-call-parser")
     tool_call_parser: str | None = flag(
-        None, help="how the model writes tool calls: hermes, llama3_json, mistral, pythonic")
+        None, help="how the model writes tool calls: hermes, llama3_json, mistral, pythonic, "
+                   "openai (gpt-oss's harmony)")
     reasoning_parser: str | None = flag(
-        None, help="split reasoning_content from content: deepseek_r1, qwen3")
+        None, help="split reasoning_content from content: deepseek_r1, qwen3, openai_gptoss "
+                   "(gpt-oss's harmony channels)")
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and not self.tool_call_parser:

@@ -34,6 +34,7 @@ from server.engine.errors import (
 from server.engine.inputs import Offload, PromptBuilder, PromptInput
 from server.engine.llm_engine import LLMEngine
 from server.engine.lora.request import LoRARequest
+from server.engine.multimodal.inputs import VisionInfo
 from server.engine.outputs import EngineStats, RequestOutput
 from server.engine.pooling.engine import PoolingEngine
 from server.engine.pooling.params import PoolingModelInfo
@@ -228,6 +229,12 @@ class AsyncEngine:
         return NO_DEFAULTS if isinstance(engine, PoolingEngine) else engine.sampling_defaults
 
     @property
+    def vision(self) -> VisionInfo | None:
+        """A vision-language model's image rules; None for a text-only or pooling model."""
+        engine = self.engine
+        return None if isinstance(engine, PoolingEngine) else engine.vision
+
+    @property
     def metrics_registry(self) -> CollectorRegistry:
         """The device layer's counters (compilations, bucket misses...), for /metrics."""
         return self.engine.counters.registry
@@ -294,8 +301,10 @@ class AsyncEngine:
 
         def prepare() -> RequestState:  # on a worker thread
             given = build()
+            images = {"images": given.images} if given.images else {}
             return self.engine.prepare(request_id, given.prompt, given.params, arrival,
-                                       client, grammar=False, lora_request=lora_request)
+                                       client, grammar=False, lora_request=lora_request,
+                                       **images)
 
         self._transit(+1)
         try:

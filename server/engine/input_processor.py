@@ -7,6 +7,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import Any
 
@@ -16,6 +17,8 @@ from server.engine.core.sequence import Sequence
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import RequestError
 from server.engine.lora.request import LoRARequest
+from server.engine.multimodal.inputs import ImageSpan
+from server.engine.multimodal.processor import ImageInputProcessor
 from server.engine.outputs import CompletionOutput, RequestMetrics
 from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
@@ -36,8 +39,10 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: SchedulerLimits,
-                 block_size: int, num_blocks: int, structured: StructuredOutputsSource) -> None:
+                 block_size: int, num_blocks: int, structured: StructuredOutputsSource,
+                 images: ImageInputProcessor | None = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # a vision-language model's processor (None: text only)
         self.structured = structured
         self.vocab_size = vocab_size
         self.limits = limits
@@ -48,10 +53,12 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int],
                 params: SamplingParams | None = None,
                 arrival_time: float | None = None, client: str = "",
-                grammar: bool = True, lora: LoRARequest | None = None) -> RequestState:
+                grammar: bool = True, lora: LoRARequest | None = None,
+                images: Seq[Any] = ()) -> RequestState:
         """``grammar``: compile the request's constraint here (blocking, within the
         bounds of ``--grammar-compile-timeout``); False: only check it against the caps,
-        and leave :meth:`start_grammar` / :meth:`attach_grammar` to the caller."""
+        and leave :meth:`start_grammar` / :meth:`attach_grammar` to the caller.
+        ``images``: the prompt's images (PIL), one per placeholder token, in order."""
         params = params or SamplingParams()
         if params.structured_outputs is not None:
             # before tokenizing: a constraint beyond the caps costs nothing more
@@ -68,13 +75,16 @@ class InputProcessor:
             prompt_ids = prompt_ids[:keep] if params.truncation_side == "right" \
                 else prompt_ids[-keep:]
             prompt_text = None  # the text sent is no longer the prompt's
+        spans: tuple[ImageSpan, ...] = ()
+        if images:
+            prompt_ids, spans = self._images(prompt_ids, images, params)
         params = self._check(prompt_ids, params)
         if params.bad_words:
             params = params.model_copy(update={
                 "bad_words_token_ids": self._bad_words_ids(params.bad_words)})
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, now,
-                         client=client, lora=lora)
+                         client=client, lora=lora, images=spans)
                 for i in range(params.n)]
         state = RequestState(
             request_id, prompt_text, prompt_ids, params, seqs,
@@ -104,6 +114,21 @@ class InputProcessor:
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
         for seq in state.seqs:
             seq.grammar = backend.state(compiled, spec.start_after or None, decode)
+
+    def _images(self, prompt_ids: list[int], images: Seq[Any], params: SamplingParams
+                ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """The prompt with its image placeholders expanded, and each image's span."""
+        if self.images is None:
+            raise RequestError("images are not supported by this text-only model", "messages")
+        if params.truncate_prompt_tokens is not None:
+            raise RequestError("truncate_prompt_tokens cannot be combined with images (it "
+                               "would cut through an image's tokens)", "truncate_prompt_tokens")
+        ids, spans = self.images.process(prompt_ids, images, "messages")
+        budget = self.limits.max_num_batched_tokens
+        if spans and spans[0].length > budget:
+            raise RequestError(f"an image takes {spans[0].length} tokens, more than a step "
+                               f"computes (--max-num-batched-tokens {budget})", "messages")
+        return ids, spans
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises for what can never be served; fills in ``max_tokens`` when unset."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from server.engine.pooling.params import PoolingParams
 from server.engine.sampling_params import SamplingParams
@@ -22,6 +22,8 @@ class PromptInput:
 
     prompt: str | list[int]
     params: SamplingParams | PoolingParams
+    # the prompt's images (PIL images), one per image placeholder token, in order
+    images: tuple[Any, ...] = ()
 
 
 # Renders a chat template, tokenizes text...: whatever turns a request into its prompt costs

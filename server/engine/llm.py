@@ -10,6 +10,7 @@ from typing import Any, Union
 
 from server.config import make_engine_config
 from server.config.compat import ignored_flags
+from server.engine.beam_search import BeamSearch, BeamSearchParams
 from server.engine.executor.mp import refuse_engine_in_worker
 from server.engine.llm_engine import LLMEngine
 from server.engine.lora.request import LoRARequest
@@ -24,6 +25,9 @@ from server.log import init_logging
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
+# vLLM's prompt dict: {"prompt": text} or {"prompt_token_ids": ids}, with
+# "multi_modal_data": {"image": an image or a list of them} (PIL images)
+PromptDict = dict[str, Any]
 Messages = list[dict[str, Any]]
 
 
@@ -62,13 +66,16 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
+        prompts: Prompt | PromptDict | Seq[Prompt | PromptDict],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given: each step's deltas
         accumulated into whole completions. ``lora_request``: the adapter of every prompt,
-        or one per prompt (None: the base model), as vLLM's (``enable_lora=True``)."""
+        or one per prompt (None: the base model), as vLLM's (``enable_lora=True``). A
+        prompt may be vLLM's dict, ``{"prompt": text, "multi_modal_data": {"image":
+        image_or_list}}``: each image placeholder of the text (``<image>`` for LLaVA) takes
+        the next image."""
         if isinstance(self.engine, PoolingEngine):
             raise ValueError("this model is served by the pooling runner (runner='pooling'): "
                              "use embed, classify or score")
@@ -83,7 +90,9 @@ class LLM:
         request_ids = []
         for prompt, p, lora in zip(prompt_list, params, loras):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p, lora_request=lora)
+            text, images = _prompt_and_images(prompt)
+            self.engine.add_request(request_id, text, p, lora_request=lora,
+                                    **({"images": images} if images else {}))
             request_ids.append(request_id)
         results: dict[str, RequestOutput] = {}
         try:
@@ -98,6 +107,38 @@ class LLM:
                 if request_id not in results or not results[request_id].finished:
                     self.engine.abort_request(request_id)
         return [results[r] for r in request_ids]
+
+    def beam_search(
+        self,
+        prompts: Prompt | dict[str, Any] | Seq[Prompt | dict[str, Any]],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt (text, token ids, or ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``) its ``beam_width`` best sequences, best first, as the
+        completions of one finished RequestOutput (server/engine/beam_search.py). Each step
+        runs every live beam of every prompt in one batch; beams share their prefix's KV
+        blocks through the prefix cache."""
+        if isinstance(self.engine, PoolingEngine):
+            raise ValueError("beam search needs a generating model, not a pooling one")
+        items = [prompts] if isinstance(prompts, (str, dict)) else _as_prompt_list(prompts)
+        eos = self.tokenizer.hf.eos_token_id
+        limit = self.engine.limits.max_model_len
+        searches = [BeamSearch(self._token_ids(p), params, eos, limit) for p in items]
+        while live := [s for s in searches if not s.done]:
+            batch = [(s, beam) for s in live for beam in s.pending()]
+            outs = self.generate([beam for _, beam in batch], live[0].expansion_params(),
+                                 lora_request)
+            for search in live:
+                mine = [o for (s, _), o in zip(batch, outs) if s is search]
+                search.advance([o.outputs[0].logprobs[0] for o in mine])
+        return [s.output(f"beam-{next(self._ids)}", self.tokenizer.decode) for s in searches]
+
+    def _token_ids(self, prompt: Prompt | dict[str, Any]) -> list[int]:
+        if isinstance(prompt, dict):
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt \
+                else prompt["prompt"]
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def chat(
         self,
@@ -136,8 +177,26 @@ class LLM:
         return offline.score(self._pooling(), data_1, data_2)
 
 
-def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+def _prompt_and_images(prompt: Prompt | PromptDict) -> tuple[Prompt, tuple[Any, ...]]:
+    """A prompt as text or ids, and its images (vLLM's ``multi_modal_data``)."""
+    if not isinstance(prompt, dict):
+        return prompt, ()
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown:
+        raise ValueError(f"prompt dict: unsupported keys {sorted(unknown)}")
+    text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if text is None:
+        raise ValueError("prompt dict needs \"prompt\" or \"prompt_token_ids\"")
+    data = prompt.get("multi_modal_data") or {}
+    if set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data: only \"image\" is supported, got {sorted(data)}")
+    images = data.get("image", ())
+    return text, tuple(images) if isinstance(images, (list, tuple)) else (images,)
+
+
+def _as_prompt_list(prompts: Prompt | PromptDict | Seq[Prompt | PromptDict]
+                    ) -> list[Prompt | PromptDict]:
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):

@@ -6,6 +6,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -13,7 +15,8 @@ from server.cache_dir import writable_cache_dir
 from server.config import EngineConfig, ModelOptions
 from server.engine.core.block_manager import BlockManager
 from server.engine.core.scheduler import Scheduler, Speculation
-from server.engine.core.sequence import ScheduledBatch, Sequence
+from server.engine.core.sequence import ScheduledBatch
+from server.engine.core.sequence import Sequence as Seq
 from server.engine.core.state_cache import StateSlots
 from server.engine.errors import EngineFaultError, EngineSleepingError, RequestError
 from server.engine.executor import FaultListener, RankExecutor, make_executor
@@ -21,6 +24,8 @@ from server.engine.input_processor import InputProcessor
 from server.engine.iteration_stats import IterationTokens
 from server.engine.lora.registry import LoRARegistry
 from server.engine.lora.request import LoRARequest
+from server.engine.multimodal.inputs import VisionInfo
+from server.engine.multimodal.processor import ImageInputProcessor
 from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
 from server.engine.request_state import RequestState
@@ -138,9 +143,18 @@ class LLMEngine:
         self._structured: StructuredOutputs | None = None
         self._structured_config = config.structured_outputs
         self._structured_lock = threading.Lock()
+        # a vision-language model: its processor, and what the API needs to know of it
+        mm = config.multimodal
+        self.vision: VisionInfo | None = None
+        images = None
+        if loaded.vision is not None:
+            images = ImageInputProcessor(source.folder, loaded.vision.config, mm.image_limit)
+            self.vision = VisionInfo(mm.image_limit, mm.allowed_local_media_path,
+                                     mm.image_fetch_timeout, mm.max_image_bytes,
+                                     mm.max_image_pixels)
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size,
                                               self.limits, block_size, self.runner.num_blocks,
-                                              self.structured_outputs)
+                                              self.structured_outputs, images)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.limits.max_model_len)
         self._failed_steps = 0
@@ -149,6 +163,8 @@ class LLMEngine:
         self.sleep_mode = config.device.enable_sleep_mode
         # what /sleep freed and no /wake_up has restored yet (empty: awake)
         self._asleep: set[WakeTag] = set()
+        # the deepest level slept since the engine was last wholly awake (vllm:engine_sleep_state)
+        self._sleep_level: SleepLevel | None = None
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB, max_model_len %d, "
             "max_num_seqs %d", self.runner.num_blocks, block_size,
@@ -185,10 +201,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         client: str = "",
         lora_request: LoRARequest | None = None,
+        images: Sequence[Any] = (),
     ) -> None:
-        """Validates and queues a request; raises RequestError if it can never be served."""
+        """Validates and queues a request; raises RequestError if it can never be served.
+        ``images``: the prompt's images (PIL), one per image placeholder token."""
         self.enqueue(self.prepare(request_id, prompt, params, arrival_time, client,
-                                  lora_request=lora_request))
+                                  lora_request=lora_request, images=images))
 
     def prepare(
         self,
@@ -199,6 +217,7 @@ class LLMEngine:
         client: str = "",
         grammar: bool = True,
         lora_request: LoRARequest | None = None,
+        images: Sequence[Any] = (),
     ) -> RequestState:
         """Tokenizes and validates without touching engine state: safe from any thread.
         ``grammar=False``: the constraint is only checked, for the caller to compile
@@ -206,7 +225,7 @@ class LLMEngine:
         if lora_request is not None:  # read and checked here, off the engine thread
             self.add_lora(lora_request)
         return self.input_processor.process(request_id, prompt, params, arrival_time, client,
-                                            grammar, lora_request)
+                                            grammar, lora_request, images)
 
     def enqueue(self, state: RequestState) -> None:
         """Queues a prepared request (engine thread only)."""
@@ -314,7 +333,7 @@ class LLMEngine:
         one request ends that request only. Re-running is safe: nothing was committed (the
         KV slots are rewritten with the same values). Steps in which nothing succeeds point
         at the device, not at a request; after a few in a row the engine gives up."""
-        by_request: dict[str, list[Sequence]] = {}
+        by_request: dict[str, list[Seq]] = {}
         for seq in batch.seqs:
             by_request.setdefault(seq.request_id, []).append(seq)
         outputs: list[RequestOutput] = []
@@ -355,6 +374,7 @@ class LLMEngine:
             self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
             bm.num_blocks, bm.usage, self.scheduler.num_preemptions,
             bm.stats.queries, bm.stats.hits, *self._lora_stats(), *self._spec_stats(),
+            sleep_level=int(self._sleep_level) if self._sleep_level is not None else 0,
         )
 
     def _spec_stats(self) -> tuple[int, int, int, tuple[int, ...]]:
@@ -401,6 +421,7 @@ class LLMEngine:
         assert bm.num_free_blocks == bm.num_blocks, "a KV block outlived its request"
         self.runner.sleep(level)
         self._asleep = set(ALL_TAGS)
+        self._sleep_level = max(level, self._sleep_level or level)
         logger.info("Asleep (level %d): %d request(s) aborted, %.1f MiB of KV cache and "
                     "%.1f MiB of weights %s", level, len(ended),
                     self.runner.kv_cache_bytes / 2**20, self._memory_bytes() / 2**20,
@@ -415,6 +436,8 @@ class LLMEngine:
         start = time.monotonic()
         self.runner.wake_up(tags)
         self._asleep -= tags
+        if not self._asleep:
+            self._sleep_level = None
         if WakeTag.KV_CACHE in tags:
             self.block_manager.reset_prefix_cache()
         logger.info("Woke %s in %.2f s%s", "/".join(sorted(t.value for t in tags)),
@@ -435,6 +458,8 @@ class LLMEngine:
             raise RequestError(str(exc), "path") from None
         self.block_manager.reset_prefix_cache()
         self._asleep.discard(WakeTag.WEIGHTS)
+        if not self._asleep:
+            self._sleep_level = None
         logger.info("Reloaded the weights from %s in %.2f s", path, time.monotonic() - start)
 
     def _check_sleep_mode(self) -> None:

@@ -139,6 +139,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # --enable-sleep-mode: the level of the sleep not yet wholly undone (0: awake); a wake
+    # that restores only some tags leaves it as it was, as /is_sleeping stays true
+    sleep_level: int = 0
 
 
 @dataclass(slots=True)

@@ -154,8 +154,11 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         documents: list[dict[str, str]] | None = None,
+        content_parts: bool = False,
     ) -> str:
         """Prompt text for ``messages``; content may be a str or a list of text parts.
+        ``content_parts``: contents are lists of parts as they are (a vision model's
+        template, which writes its image placeholder for each ``{"type": "image"}``).
         ``tools`` (OpenAI's function definitions) and ``template_kwargs`` (variables such as
         ``enable_thinking``) are handed to the template. ``continue_final_message``: the
         last message is left open (no end of turn after it) for the model to go on with.
@@ -173,7 +176,7 @@ class Tokenizer:
 
         try:
             text = self.hf.apply_chat_template(
-                [_flatten_content(m) for m in messages],
+                messages if content_parts else [_flatten_content(m) for m in messages],
                 tools=tools or None,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,

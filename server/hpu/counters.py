@@ -18,7 +18,7 @@ from server.hpu.types import CompileLabel, Phase, Stage, SyncPoint
 disable_created_metrics()
 
 # Step phases plus the sampler's own compilations: the ``phase`` label values.
-PHASES: tuple[CompileLabel, ...] = (*Phase, SyncPoint.SAMPLER)
+PHASES: tuple[CompileLabel, ...] = (*Phase, SyncPoint.SAMPLER, SyncPoint.ENCODER)
 
 
 class DeviceCounters:
@@ -59,7 +59,7 @@ class DeviceCounters:
             self._misses.labels(model_name, phase)
             self._padded.labels(model_name, phase)
             self._real.labels(model_name, phase)
-            if phase is not SyncPoint.SAMPLER:
+            if isinstance(phase, Phase):
                 self._added.labels(model_name, phase)
             for state in ("planned", "warmed", "captured"):
                 self._buckets.labels(model_name, phase, state)
@@ -103,7 +103,7 @@ class DeviceCounters:
         return sum(v for (p, s), v in self._totals.items()
                    if (phase is None or p == str(phase)) and (stage is None or s == str(stage)))
 
-    def missed(self, phase: Phase) -> None:
+    def missed(self, phase: CompileLabel) -> None:
         self._misses.labels(self.model_name, phase).inc()
 
     def tokens(self, phase: Phase, real: int, padded: int) -> None:

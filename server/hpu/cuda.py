@@ -59,21 +59,26 @@ def _clone_inputs(inputs: ForwardInputs) -> ForwardInputs:
         f.name: (v.clone() if isinstance(v := getattr(inputs.meta, f.name), torch.Tensor) else v)
         for f in fields(AttentionMetadata)
     })
-    lora = inputs.lora_slots
+    def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.clone()
+
     return ForwardInputs(inputs.input_ids.clone(), inputs.positions.clone(), meta,
                          inputs.logits_indices.clone(), inputs.num_seqs,
-                         None if lora is None else lora.clone(),
-                         None if inputs.state is None else inputs.state.clone())
+                         clone(inputs.lora_slots),
+                         None if inputs.state is None else inputs.state.clone(),
+                         mm_embeds=clone(inputs.mm_embeds), mm_mask=clone(inputs.mm_mask))
 
 
 def _copy_inputs(dst: ForwardInputs, src: ForwardInputs) -> None:
     dst.input_ids.copy_(src.input_ids)
     dst.positions.copy_(src.positions)
     dst.logits_indices.copy_(src.logits_indices)
-    if dst.lora_slots is not None and src.lora_slots is not None:
-        dst.lora_slots.copy_(src.lora_slots)
     if dst.state is not None and src.state is not None:  # hybrid models' state slots
         dst.state.copy_(src.state)
+    for name in ("lora_slots", "mm_embeds", "mm_mask"):  # a vision prefill's image rows
+        target, given = getattr(dst, name), getattr(src, name)
+        if target is not None and given is not None:
+            target.copy_(given)
     for f in fields(AttentionMetadata):
         value = getattr(dst.meta, f.name)
         if isinstance(value, torch.Tensor):

@@ -42,6 +42,10 @@ class ForwardInputs:
     lora_slots: torch.Tensor | None = None
     # hybrid models (Qwen3-Next): each row's state slot; None for the others
     state: StateInputs | None = None
+    # vision-language prefills: image rows ([bs * q, hidden]) where mm_mask ([bs * q, 1])
+    # is set, replacing those tokens' embeddings; None in decodes and text-only models
+    mm_embeds: torch.Tensor | None = None
+    mm_mask: torch.Tensor | None = None
 
 
 ForwardFn = Callable[[ForwardInputs], torch.Tensor]

@@ -90,32 +90,37 @@ class TorchLayerOps:
 
     def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
-                         softcap: float | None = None, window: int | None = None
+                         softcap: float | None = None, window: int | None = None,
+                         chunk: int | None = None, sinks: torch.Tensor | None = None
                          ) -> torch.Tensor:
         """Causal attention of a right-padded prefill batch: q ``[bs * q, Hq, D]``, k / v
         ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``; ``softcap``: Gemma 2's score cap;
-        ``window``: the layer's sliding window (None: global attention)."""
+        ``window``: the layer's sliding window (None: global attention); ``chunk``: the
+        layer's attention chunk (Llama 4; None: not chunked); ``sinks``: gpt-oss's per-head
+        sink logits ``[Hq]`` (None: none)."""
         tokens, heads, dim = query.shape
         q_len = tokens // bs
         if meta.context_lens is not None:  # after a context in the cache: read it there
             out = paged_prefill_attention(query.view(bs, q_len, heads, dim), kv_cache[0],
-                                          kv_cache[1], meta, scale, softcap, window)
+                                          kv_cache[1], meta, scale, softcap, window, chunk,
+                                          sinks=sinks)
             return out.reshape(tokens, heads, dim)
         # no context beyond the prompt itself: the fresh k / v suffice
         out = prompt_attention(query.view(bs, q_len, heads, dim),
                                key.view(bs, q_len, key.shape[1], dim),
                                value.view(bs, q_len, value.shape[1], dim), scale, softcap,
-                               window)
+                               window, chunk, sinks=sinks)
         return out.reshape(tokens, heads, dim)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                         scale: float, softcap: float | None = None, window: int | None = None
+                         scale: float, softcap: float | None = None, window: int | None = None,
+                         chunk: int | None = None, sinks: torch.Tensor | None = None
                          ) -> torch.Tensor:
         if meta.block_bias is not None and meta.block_bias.dim() == 3:  # a verify step
             return flat_paged_verify_attention(query, kv_cache[0], kv_cache[1], meta, scale,
-                                               softcap, window)
+                                               softcap, window, chunk, sinks=sinks)
         return flat_paged_attention(query, kv_cache[0], kv_cache[1], meta, scale, softcap,
-                                    window)
+                                    window, chunk, sinks=sinks)
 
     def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None,
                   window: int | None = None, partial_rotary: bool = False) -> bool:

@@ -30,6 +30,8 @@ class SyncPoint(str, enum.Enum):
     ``phase`` label value, beside the step phases."""
 
     SAMPLER = "sampler"
+    # the vision encoder's calls before a prefill (images per call is its bucket)
+    ENCODER = "encoder"
 
     def __str__(self) -> str:
         return self.value

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from server.hpu.kv_cache import KVCacheLayout
+from server.models.deepseek_config import MLASettings, deepseek_settings
+from server.models.moe_routing import RouterSettings
 from server.models.quantized import QuantConfig
 from server.models.registry import architecture_of
 
@@ -101,6 +104,39 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()
+    # how the router picks and weighs experts (DeepSeek's grouped, biased top-k), and
+    # DeepSeek's shared experts: one MLP of num_shared_experts * moe_intermediate_size
+    # that every token of a sparse layer goes through besides its routed experts
+    moe_router: RouterSettings = RouterSettings()
+    num_shared_experts: int = 0
+    # DeepSeek-V2 / V3's multi-head latent attention (None: the usual heads); head_dim is
+    # then the RoPE part of a head, which the rotary tables span
+    mla: MLASettings | None = None
+    # multi-token-prediction layers stored after the decoder's (DeepSeek-V3's
+    # num_nextn_predict_layers): the loader skips their tensors, saying so
+    mtp_layers: int = 0
+    # gpt-oss (server/models/gpt_oss.py): a learned sink logit per attention head; biases on
+    # the router and on every expert's projections; the experts' clamped SwiGLU,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+    attn_sinks: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # Llama 4 (see llama4.py): the layers in chunked_layers attend within chunks of
+    # attention_chunk_size positions only; those in nope_layers rotate nothing and, with
+    # attn_temperature = (floor_scale, attn_scale), scale their queries up with position;
+    # qk_l2_norm: a weightless RMS norm of each q and k head in the RoPE layers
+    attention_chunk_size: int | None = None
+    chunked_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()
+    qk_l2_norm: bool = False
+    attn_temperature: tuple[float, float] | None = None
+    # RoPE over interleaved pairs (Llama 4): q/k rows (weights, adapters) are reordered at
+    # load into the rotate-half layout the RoPE kernels rotate (rotary.interleaved_to_halves)
+    interleaved_rope: bool = False
+    # what the checkpoint's weight names start with ("language_model." for the text model
+    # of a conditional-generation checkpoint, whose other weights are ignored)
+    checkpoint_prefix: str = ""
     # Hybrid models (Qwen3-Next): the linear-attention layers (no KV cache: a fixed-size
     # state per sequence instead), their sizes, the shared expert beside the routed ones,
     # and the sigmoid gate on the full-attention output (q_proj holds it after each head)
@@ -113,7 +149,10 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         arch = architecture_of(getattr(hf, "architectures", None),
                                getattr(hf, "model_type", None))
-        model_type = arch.model_type
+        outer = hf  # dtype and quantization are the whole checkpoint's
+        if arch.text_part:
+            hf = hf.get_text_config()
+        model_type = hf.model_type if arch.text_part else arch.model_type
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         partial = _partial_rotary_factor(hf)
@@ -123,11 +162,12 @@ class ModelConfig:
         local_theta, local_scaling = (_rope_settings(hf, "sliding_attention")
                                       if _has_local_rope(hf) else (None, None))
         attention_bias = bool(getattr(hf, "attention_bias", False))
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+        dtype = getattr(outer, "dtype", None) or getattr(outer, "torch_dtype", None)
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         moe = _moe_settings(hf, arch.moe_renormalize) if arch.moe else {}
         gemma = _gemma_settings(hf) if arch.gemma else {}
+        gpt_oss = _gpt_oss_settings(hf) if arch.gpt_oss else {}
         hybrid = _hybrid_settings(hf, arch.split_delta_projections) if arch.hybrid else {}
         fields: dict[str, Any] = dict(
             model_type=model_type,
@@ -158,14 +198,25 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             local_rope_theta=local_theta,
             local_rope_scaling=local_scaling,
-            quant=QuantConfig.from_hf(_as_dict(getattr(hf, "quantization_config", None))),
+            quant=QuantConfig.from_hf(_as_dict(getattr(outer, "quantization_config", None))),
             checkpoint_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             eos_token_ids=eos_ids,
         )
         fields.update(moe)
         fields.update(gemma)  # Gemma's readings replace the Llama ones
+        if arch.mla:
+            fields.update(deepseek_settings(hf, model_type == "deepseek_v3", rope_scaling))
+        fields.update(gpt_oss)
+        if arch.llama4:
+            fields.update(_llama4_settings(hf))
+        if arch.text_part:
+            fields["checkpoint_prefix"] = "language_model."
         fields.update(hybrid)
         return cls(**fields)
+
+    def layer_chunk(self, index: int) -> int | None:
+        """The attention chunk of layer ``index``, None where it is not chunked."""
+        return self.attention_chunk_size if index in self.chunked_layers else None
 
     @property
     def is_hybrid(self) -> bool:
@@ -198,6 +249,15 @@ class ModelConfig:
     @property
     def uses_local_rope(self) -> bool:
         return self.local_rope_theta is not None
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """What each token leaves in each layer's KV cache: K and V heads, or MLA's
+        latent and RoPE key, read as keys and values at once."""
+        if self.mla is not None:
+            return KVCacheLayout(self.num_kv_layers, 1, self.mla.cache_dim, shared_kv=True)
+        # hybrid models: the linear-attention layers keep a state instead (state_cache.py)
+        return KVCacheLayout(self.num_kv_layers, self.num_kv_heads, self.head_dim)
 
 
 def _window_settings(hf: Any) -> dict[str, Any]:
@@ -245,6 +305,15 @@ def _gemma_settings(hf: Any) -> dict[str, Any]:
     )
 
 
+def _gpt_oss_settings(hf: Any) -> dict[str, Any]:
+    """gpt-oss's departures: sinks, biased router and experts, the clamped SwiGLU. Its
+    router takes the softmax of the top-k logits, which is the renormalised top-k of the
+    full softmax (the registry entry sets moe_renormalize)."""
+    return dict(attn_sinks=True, moe_bias=True,
+                swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
+                swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)))
+
+
 def _hybrid_settings(hf: Any, split_projections: bool) -> dict[str, Any]:
     """Qwen3-Next's departures: the layer kinds of ``layer_types`` (every
     ``full_attention_interval``-th layer full attention in older config files), the Gated
@@ -286,7 +355,8 @@ def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:
     moe_size = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
     dense_layers = set(getattr(hf, "mlp_only_layers", None) or ())
     step = getattr(hf, "decoder_sparse_step", None) or 1
-    layers = tuple(i for i in range(hf.num_hidden_layers)
+    first_sparse = getattr(hf, "first_k_dense_replace", None) or 0  # DeepSeek
+    layers = tuple(i for i in range(first_sparse, hf.num_hidden_layers)
                    if experts > 0 and i not in dense_layers and (i + 1) % step == 0)
     return dict(
         num_experts=int(experts),
@@ -294,6 +364,33 @@ def _moe_settings(hf: Any, always_renormalize: bool) -> dict[str, Any]:
         moe_intermediate_size=int(moe_size),
         norm_topk_prob=always_renormalize or bool(getattr(hf, "norm_topk_prob", False)),
         moe_layers=layers,
+    )
+
+
+def _llama4_settings(hf: Any) -> dict[str, Any]:
+    """Llama 4's departures. Its config names the sizes the other way round: the dense
+    layers' MLP is intermediate_size_mlp wide, each expert (and the shared one)
+    intermediate_size; no_rope_layers holds 1 for the layers that DO rotate."""
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama 4 with activation {hf.hidden_act!r} is not supported (silu)")
+    layers = range(hf.num_hidden_layers)
+    rotates = list(hf.no_rope_layers)
+    types = list(hf.layer_types)
+    chunked = tuple(i for i in layers if types[i] == "chunked_attention")
+    return dict(
+        intermediate_size=int(hf.intermediate_size_mlp),
+        moe_intermediate_size=int(hf.intermediate_size),
+        num_experts=int(hf.num_local_experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        norm_topk_prob=False,
+        moe_layers=tuple(int(i) for i in hf.moe_layers),
+        attention_chunk_size=int(hf.attention_chunk_size) if chunked else None,
+        chunked_layers=chunked,
+        nope_layers=tuple(i for i in layers if not rotates[i]),
+        qk_l2_norm=bool(hf.use_qk_norm),
+        interleaved_rope=True,
+        attn_temperature=((float(hf.floor_scale), float(hf.attn_scale))
+                          if hf.attn_temperature_tuning else None),
     )
 
 

@@ -144,6 +144,8 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         fields.update(_moe_fields(h, names, family, fields["num_layers"]))
     if family.gemma:
         fields.update(_gemma_fields(h, fields))
+    if family.llama4:
+        fields.update(_llama4_fields(h, fields["num_layers"]))
     return ModelConfig(**fields)
 
 
@@ -162,6 +164,37 @@ def _moe_fields(h: _Header, names: set[str], family: Architecture, num_layers: i
         norm_topk_prob=family.moe_renormalize or (True if norm is None else bool(norm)),
         moe_layers=tuple(i for i in range(num_layers)
                          if f"blk.{i}.ffn_gate_inp.weight" in names),
+    )
+
+
+# What llama.cpp fixes for every Llama 4 file rather than reading it from the header (the
+# released models' values): 8192-token chunks in three layers of four, the fourth without
+# RoPE, its query temperature over floor 8192 with scale 0.1; the 128-expert model
+# (Maverick) has no q/k norms
+_LLAMA4_CHUNK = 8192
+_LLAMA4_PATTERN = 4
+_LLAMA4_TEMPERATURE = (8192.0, 0.1)
+_LLAMA4_NO_QK_NORM_EXPERTS = 128
+
+
+def _llama4_fields(h: _Header, num_layers: int) -> dict[str, Any]:
+    """Llama 4 as llama.cpp runs it: feed_forward_length is the dense layers' MLP width,
+    expert_feed_forward_length each expert's (and the shared one's); sigmoid routing, not
+    renormalised. A ``sliding_window`` of 0 in the header (small all-global models) turns
+    the chunks and NoPE layers off."""
+    fields: dict[str, Any] = dict(
+        norm_topk_prob=False, interleaved_rope=True,
+        qk_l2_norm=int(h("expert_count")) != _LLAMA4_NO_QK_NORM_EXPERTS)
+    if h("attention.sliding_window") == 0:
+        return dict(fields, sliding_window=None)
+    layers = range(num_layers)
+    return dict(
+        fields,
+        sliding_window=None,
+        attention_chunk_size=_LLAMA4_CHUNK,
+        chunked_layers=tuple(i for i in layers if i % _LLAMA4_PATTERN < _LLAMA4_PATTERN - 1),
+        nope_layers=tuple(i for i in layers if (i + 1) % _LLAMA4_PATTERN == 0),
+        attn_temperature=_LLAMA4_TEMPERATURE,
     )
 
 

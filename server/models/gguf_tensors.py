@@ -59,6 +59,10 @@ _FAMILY_BLOCK_NAMES = {
     "gemma3_text": _GEMMA_NORMS,
     # Phi-3's ffn_up is the checkpoint's gate_up_proj: gate rows then up rows
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    # Llama 4's shared expert
+    "llama4_text": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                    "ffn_down_shexp": "mlp.shared_expert.down_proj"},
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 

@@ -1,8 +1,10 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, Granite, Phi-3,
-Gemma 2/3; Mixtral and Qwen3-MoE with the experts of moe.py) over a paged KV cache;
+Gemma 2/3; Mixtral, Qwen3-MoE and gpt-oss with the experts of moe.py) over a paged KV cache;
 server/models/registry.py lists the families and what each changes."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -12,25 +14,12 @@ from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import Rope, TorchLayerOps
 from server.models.config import ModelConfig
 from server.models.lora import LayerLoRA, LoRASite, LoRASlots
+from server.models.mla import MLAttention
 from server.models.moe import SparseMoeBlock
+from server.models.norm import RMSNorm
 from server.models.rotary import RotaryEmbedding
 
 _TORCH_OPS = TorchLayerOps()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.ops: TorchLayerOps = _TORCH_OPS
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x)``, or with a residual stream ``(norm(residual + x), residual + x)``."""
-        if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -49,6 +38,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.softcap = cfg.attn_softcap  # Gemma 2
         self.window = cfg.layer_window(index)  # sliding-window layers (Mistral, Gemma 2/3)
+        # gpt-oss: a learned logit per query head in every softmax's denominator
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attn_sinks else None
         self.ops: TorchLayerOps = _TORCH_OPS
         self.lora: LayerLoRA | None = None  # --enable-lora: the layer's adapter slots
 
@@ -73,10 +64,10 @@ class Attention(nn.Module):
                                                      self.num_kv_heads)
         if meta.is_prompt:
             out = self.ops.prompt_attention(query, key, value, kv_cache, meta, bs, self.scale,
-                                            self.softcap, self.window)
+                                            self.softcap, self.window, sinks=self.sinks)
         else:
             out = self.ops.decode_attention(query, kv_cache, meta, self.scale, self.softcap,
-                                            self.window)
+                                            self.window, sinks=self.sinks)
         out = out.reshape(bs, q_len, self.q_size)
         if self.lora is None:
             return self.o_proj(out)
@@ -94,11 +85,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """``intermediate_size``: other than the config's (DeepSeek's shared experts)."""
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.intermediate_size = inter
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gelu = cfg.mlp_act == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
         self.ops: TorchLayerOps = _TORCH_OPS
         self.lora: LayerLoRA | None = None  # --enable-lora: the layer's adapter slots
@@ -117,12 +110,17 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, index)
+        # DeepSeek's latent attention, or the usual heads
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(cfg, index) if cfg.mla is not None else Attention(cfg, index))
         # Gemma 3's sliding layers rotate by their own RoPE table
         self.local_rope = cfg.uses_local_rope and self.self_attn.window is not None
         # mixture-of-experts families list their sparse layers; the rest stay dense
-        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(cfg) if index in cfg.moe_layers
-                                          else MLP(cfg))
+        self.mlp: MLP | SparseMoeBlock = MLP(cfg)
+        if index in cfg.moe_layers:
+            shared = (MLP(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size)
+                      if cfg.num_shared_experts else None)
+            self.mlp = SparseMoeBlock(cfg, shared)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier
@@ -171,11 +169,14 @@ class LlamaForCausalLM(nn.Module):
     q/k/v and gate/up are fused (the loader concatenates them) and experts are stacked
     (``mlp.w_gate_up`` / ``mlp.w_down``, see moe.py)."""
 
+    # a family's subclass may bring its own layer (llama4.py), built as ``(cfg, index)``
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary, self.rotary_local = self.build_rotary()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -190,9 +191,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         lora_slots: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
+        mm_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``;
-        ``lora_slots``: each token's adapter slot (0: none), with :meth:`enable_lora`."""
+        ``lora_slots``: each token's adapter slot (0: none), with :meth:`enable_lora`;
+        ``mm_embeds`` ``[bs * q, hidden]``: rows that replace the embeddings of the tokens
+        ``mm_mask`` ``[bs * q, 1]`` marks (a vision-language prompt's image tokens)."""
         x = self.embed_tokens(input_ids)
         cfg = self.config
         if cfg.embedding_multiplier != 1.0:  # Granite, Gemma
@@ -200,6 +205,10 @@ class LlamaForCausalLM(nn.Module):
                 x = x * torch.tensor(cfg.embedding_multiplier, dtype=x.dtype)
             else:
                 x = x * cfg.embedding_multiplier
+        if mm_embeds is not None and mm_mask is not None:
+            # a select, not a scatter: the same graph whatever the number of image tokens
+            x = torch.where(mm_mask.view(*x.shape[:2], 1),
+                            mm_embeds.view(x.shape).to(x.dtype), x)
         rope = self.rotary(positions.reshape(-1), x.dtype)
         local_rope = (self.rotary_local(positions.reshape(-1), x.dtype)
                       if self.rotary_local is not None else rope)
@@ -226,12 +235,25 @@ class LlamaForCausalLM(nn.Module):
                                     cfg.local_rope_scaling).to(device)
         return rotary, local
 
+    def checkpoint_tensors(self, tensors: Iterator[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors named and laid out as weight_load.py expects them: the
+        Llama layout as it is (a family's subclass may rename or reorder)."""
+        return tensors
+
     def keep_norms_in_float(self) -> None:
         """Gemma's norms scale by 1 + w in float32 and round after, as its reference does:
         1 + w stored in bfloat16 would lose w's low bits (1.01 becomes 1.0078)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.float()
+
+    def keep_router_bias_in_float(self) -> None:
+        """DeepSeek-V3's expert-choice bias stays float32, as its reference keeps it: in
+        bfloat16 its small differences between experts would round away and change picks."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock) and module.e_score_correction_bias is not None:
+                module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
 
     def serve_context(self, max_model_len: int) -> None:
         """Drops the windows no served sequence can outgrow: they would mask nothing, and
@@ -243,6 +265,9 @@ class LlamaForCausalLM(nn.Module):
     def enable_lora(self, slots: LoRASlots) -> None:
         """Gives every layer's projections its adapter slots (``--enable-lora``): from then
         on each forward adds each token's adapter, the slot index tensor an input."""
+        if self.config.mla is not None:
+            raise ValueError("LoRA adapters (--enable-lora) are not supported for models "
+                             "with multi-head latent attention (DeepSeek-V2 / V3)")
         self.lora_slots = slots
         for layer, layer_slots in zip(self.layers, slots.layers):
             layer.self_attn.lora = layer_slots

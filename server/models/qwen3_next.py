@@ -17,6 +17,7 @@ Parameter names follow the checkpoint's, with q/k/v and gate/up fused as in llam
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -276,6 +277,11 @@ class Qwen3NextForCausalLM(nn.Module):
             cache = next(states) if layer.is_linear else next(kv)
             x, residual = layer(x, residual, rope, cache, meta, state)
         return self.norm(x, residual)[0]
+
+    def checkpoint_tensors(self, tensors: Iterator[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as weight_load.py reads them: the layout as it is."""
+        return tensors
 
     def state_shapes(self, dtype: torch.dtype) -> list[StateShape]:
         """The state cache's per-slot tensors, one entry per linear layer."""

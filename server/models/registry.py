@@ -30,6 +30,20 @@ class Architecture:
     # Gemma 2 / 3: (1 + w) norms, a norm after each sublayer too, GeGLU, embeddings scaled
     # by sqrt(hidden), soft-capped attention scores and logits where the config sets caps
     gemma: bool = False
+    # DeepSeek-V2 / V3: multi-head latent attention (server/models/mla.py), whose KV cache
+    # holds a compressed latent; routed plus shared experts, grouped top-k routing
+    mla: bool = False
+    # gpt-oss: attention sinks, biased router and experts with a clamped SwiGLU, MXFP4
+    # experts in its checkpoints (server/models/gpt_oss.py); layer_types window every other
+    # layer
+    gpt_oss: bool = False
+    # Llama 4 (server/models/llama4.py): chunked local attention in the RoPE layers, layers
+    # without RoPE (their queries temperature-tuned by position), weightless L2 q/k norms,
+    # MoE layers with a shared expert and sigmoid routing, interleaved with dense MLPs
+    llama4: bool = False
+    # a conditional-generation checkpoint served as its text model: the config's
+    # text_config, the weights under language_model. (the vision tower is ignored)
+    text_part: bool = False
     # Qwen3-Next: Gated DeltaNet (linear attention, a per-sequence state) in the layers
     # config.json marks "linear_attention", gated full attention in the others, a shared
     # expert beside the routed ones, zero-centred (1 + w) norms (server/models/qwen3_next.py)
@@ -58,6 +72,18 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
                  gguf_permuted_qk=False),
+    # no GGUF: llama.cpp's deepseek2 export splits kv_b_proj into per-head k_b / v_b
+    # tensors the gguf reader here does not map (yet)
+    Architecture("DeepseekV2ForCausalLM", "deepseek_v2", None, moe=True, mla=True),
+    Architecture("DeepseekV3ForCausalLM", "deepseek_v3", None, moe=True, mla=True),
+    # no GGUF: the installed gguf package cannot write its MXFP4 tensors (see docs/models.md)
+    Architecture("GptOssForCausalLM", "gpt_oss", None, moe=True, moe_renormalize=True,
+                 gguf_permuted_qk=False, gpt_oss=True),
+    # llama.cpp's converter keeps Llama 4's (interleaved-RoPE) q/k rows as they are
+    Architecture("Llama4ForCausalLM", "llama4_text", "llama4", gguf_permuted_qk=False, moe=True,
+                 llama4=True),
+    Architecture("Llama4ForConditionalGeneration", "llama4", None, gguf_permuted_qk=False,
+                 moe=True, llama4=True, text_part=True),
     # llama.cpp's "qwen3next" files are not read (no GGUF name: refused as unsupported)
     Architecture("Qwen3NextForCausalLM", "qwen3_next", None, qk_norm=True, moe=True,
                  hybrid=True),

@@ -157,3 +157,14 @@ class RotaryEmbedding(torch.nn.Module):
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
+
+
+def interleaved_to_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The q or k rows of each head (``[heads * D, ...]``, whole heads) from the layout of
+    RoPE over interleaved pairs ``(x0, x1), (x2, x3)...`` (Meta's complex form, Llama 4) to
+    the rotate-half layout ``[x0, x2, ..., x1, x3, ...]`` the RoPE kernels rotate. q and k
+    reordered alike keep their dot products (and norms) unchanged."""
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, head_dim, *rows.shape[1:])[:, order.to(rows.device)] \
+        .reshape(rows.shape)

@@ -10,6 +10,10 @@ slices; three places talk to the other ranks:
 - the MLP: gate/up column-parallel, down row-parallel (one all-reduce); in a sparse layer
   every expert's intermediate dimension is split the same way (the router is replicated
   and routes identically on every rank), again one all-reduce of the block's output;
+- multi-head latent attention (DeepSeek): the query projection, ``kv_b_proj`` (latent to
+  each head's key and value) and ``o_proj`` are split by heads as above; the latent's own
+  projection and norm are replicated, so every rank caches the whole latent (it is one
+  "head" shared by all) and attends over it with its own heads;
 - the vocabulary: the embedding and the LM head are split by vocabulary rows (padded to
   a multiple of ``N``); a token's embedding comes from the one rank that owns it (an
   all-reduce of mostly zeros) and the logits of every rank are gathered, then trimmed.
@@ -32,9 +36,9 @@ from torch import nn
 
 from server.hpu.distributed import ParallelContext
 from server.models.config import ModelConfig
-from server.models.families import new_model
 from server.models.llama import LlamaForCausalLM
 from server.models.lora import LoRAAdapter, LoRASite
+from server.models.model_class import causal_lm_class
 from server.models.qwen3_next import Qwen3NextForCausalLM
 
 
@@ -155,17 +159,34 @@ class ShardPlan:
         kv_start, kv_len = self.first_kv_head * d, self.kv_heads * d
         inter = cfg.intermediate_size // self.world_size
         moe = cfg.moe_intermediate_size // self.world_size
+        if cfg.mla is not None and (mla_cut := self._mla_cut(name)) is not None:
+            return mla_cut
+        if _SHARED_EXPERTS.search(name):  # DeepSeek: an MLP of num_shared_experts * moe
+            shared = moe * cfg.num_shared_experts
+            return Cut(1 if name.endswith("down_proj.weight") else 0, ((r * shared, shared),))
         if cfg.is_hybrid and (hybrid := self._hybrid_cut(name)) is not None:
             return hybrid
         if _EXPERT_IN.search(name):
             return Cut(0, ((r * moe, moe),))
         if _EXPERT_OUT.search(name):
             return Cut(1, ((r * moe, moe),))
+        if _LLAMA4_GATE_UP.search(name):  # Llama 4's [E, H, 2I]: gate columns then up
+            half = shape[2] // 2
+            return Cut(2, ((r * moe, moe), (half + r * moe, moe)))
+        if _LLAMA4_DOWN.search(name):  # Llama 4's [E, I, H]
+            return Cut(1, ((r * moe, moe),))
         if _STACKED_GATE_UP.search(name):  # [E, 2I, H]: gate rows then up rows
             half = shape[1] // 2
             return Cut(1, ((r * moe, moe), (half + r * moe, moe)))
         if _STACKED_DOWN.search(name):  # [E, H, I]
             return Cut(2, ((r * moe, moe),))
+        if _EXPERT_GATE_UP_BIAS.search(name):  # gpt-oss [E, 2I]: gate then up (gpt_oss.py)
+            half = shape[1] // 2
+            return Cut(1, ((r * moe, moe), (half + r * moe, moe)))
+        if _EXPERT_DOWN_BIAS.search(name):  # summed by the all-reduce: rank 0 only
+            return Cut(zero=r != 0)
+        if _SINKS.search(name):  # one per query head
+            return Cut(0, ((r * self.q_heads, self.q_heads),))
         if _Q.search(name):
             return Cut(0, (q_rows,))
         if _KV.search(name):
@@ -174,15 +195,17 @@ class ShardPlan:
             q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
             return Cut(0, (q_rows, (q_all + kv_start, kv_len),
                            (q_all + kv_all + kv_start, kv_len)))
-        if _GATE_UP.search(name):
-            return Cut(0, ((r * inter, inter),))
+        if _GATE_UP.search(name):  # Llama 4's shared expert is as wide as one expert
+            per = moe if _SHARED.search(name) else inter
+            return Cut(0, ((r * per, per),))
         if _FUSED_GATE_UP.search(name):  # Phi-3: gate then up
             half = shape[0] // 2
             return Cut(0, ((r * inter, inter), (half + r * inter, inter)))
         if _O_WEIGHT.search(name):
             return Cut(1, (q_rows,))
         if _DOWN_WEIGHT.search(name):
-            return Cut(1, ((r * inter, inter),))
+            per = moe if _SHARED.search(name) else inter
+            return Cut(1, ((r * per, per),))
         if _ROW_BIAS.search(name):  # summed by the all-reduce: added by rank 0 only
             return Cut(zero=r != 0)
         if _VOCAB.search(name):
@@ -191,6 +214,22 @@ class ShardPlan:
             per, start = self.vocab_per_rank, self.vocab_start
             return Cut(0, ((start, max(0, min(per, shape[0] - start))),), pad_to=per)
         return Cut()  # replicated: norms, the router, RoPE factors
+
+    def _mla_cut(self, name: str) -> Cut | None:
+        """The head-split tensors of latent attention (None: not one of them)."""
+        mla = self.config.mla
+        assert mla is not None
+        heads, r = self.q_heads, self.rank
+        if _MLA_Q.search(name):
+            rows = heads * mla.qk_head_dim
+            return Cut(0, ((r * rows, rows),))
+        if _MLA_KV_B.search(name):
+            rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+            return Cut(0, ((r * rows, rows),))
+        if _O_WEIGHT.search(name):
+            cols = heads * mla.v_head_dim
+            return Cut(1, ((r * cols, cols),))
+        return None
 
 
     def _hybrid_cut(self, name: str) -> Cut | None:
@@ -299,10 +338,19 @@ def _cut(cut: Cut, tensor: torch.Tensor) -> torch.Tensor:
     return _apply(cut, tuple(tensor.shape), lambda index: tensor[index]) if cut.ranges else tensor
 
 
+_MLA_Q = re.compile(r"\.(q_proj|q_b_proj)\.weight$")
+_MLA_KV_B = re.compile(r"\.kv_b_proj\.weight$")
+_SHARED_EXPERTS = re.compile(r"\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_IN = re.compile(r"\.experts\.\d+\.(w1|w3|gate_proj|up_proj)\.weight$")
 _EXPERT_OUT = re.compile(r"\.experts\.\d+\.(w2|down_proj)\.weight$")
+_LLAMA4_GATE_UP = re.compile(r"\.feed_forward\.experts\.gate_up_proj$")
+_LLAMA4_DOWN = re.compile(r"\.feed_forward\.experts\.down_proj$")
+_SHARED = re.compile(r"\.shared_expert\.")
 _STACKED_GATE_UP = re.compile(r"\.experts\.gate_up_proj(\.weight)?$")
 _STACKED_DOWN = re.compile(r"\.experts\.down_proj(\.weight)?$")
+_EXPERT_GATE_UP_BIAS = re.compile(r"\.mlp\.b_gate_up$")
+_EXPERT_DOWN_BIAS = re.compile(r"\.mlp\.b_down$")
+_SINKS = re.compile(r"\.self_attn\.sinks$")
 _Q = re.compile(r"\.q_proj\.(weight|bias)$")
 _KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 _FUSED_QKV = re.compile(r"\.qkv_proj\.(weight|bias)$")
@@ -391,10 +439,19 @@ def build_model(cfg: ModelConfig, parallel: ParallelContext
                 ) -> tuple[LlamaForCausalLM, ModelConfig, ShardPlan | None]:
     """(the model to fill, the config the rank serves with, the plan) for the whole
     model's ``cfg``; the plain model at world size 1."""
+    cls = causal_lm_class(cfg)
     if parallel.world_size == 1:
-        return new_model(cfg), cfg, None
+        return cls(cfg), cfg, None
     plan = ShardPlan.build(cfg, parallel.rank, parallel.world_size)
     rank_cfg = plan.rank_config()
     if cfg.is_hybrid:
         return TensorParallelQwen3Next(rank_cfg, plan, parallel), rank_cfg, plan
-    return TensorParallelCausalLM(rank_cfg, plan, parallel), rank_cfg, plan
+    return _tensor_parallel_class(cls)(rank_cfg, plan, parallel), rank_cfg, plan
+
+
+def _tensor_parallel_class(cls: type[LlamaForCausalLM]) -> type[TensorParallelCausalLM]:
+    """TensorParallelCausalLM over a family's own decoder class (its __init__ reaches the
+    family's through super())."""
+    if cls is LlamaForCausalLM:
+        return TensorParallelCausalLM
+    return type(f"TensorParallel{cls.__name__}", (TensorParallelCausalLM, cls), {})

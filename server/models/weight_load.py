@@ -7,6 +7,7 @@ tensors, the same walk checks a checkpoint before the model is allocated.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -18,6 +19,9 @@ from server.models.config import ModelConfig
 from server.models.errors import ModelFileError
 from server.models.gguf_tensors import ROPE_FREQ_FACTORS
 from server.models.llama import LlamaForCausalLM
+from server.models.mla import deinterleave_rope_rows
+
+logger = logging.getLogger(__name__)
 
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -73,9 +77,19 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
         "gate_up_proj": [cfg.intermediate_size] * 2,
     }
     loaded: set[str] = set()
-    for hf_name, tensor in tensors:
+    mtp_skipped = 0
+    for hf_name, tensor in model.checkpoint_tensors(tensors):
         # Mixtral's sparse block is "block_sparse_moe" where the others say "mlp"
         name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+        if _is_mtp(name, cfg):
+            mtp_skipped += 1
+            continue
+        if cfg.mla is not None:
+            # DeepSeek: the router's bias lives on the block (the router may be repacked)
+            name = name.replace(".mlp.gate.e_score_correction_bias",
+                                ".mlp.e_score_correction_bias")
+            if cfg.mla.rope_interleaved:
+                tensor = deinterleave_rope_rows(name, tensor, cfg.mla)
         if cfg.norm_offset and name.endswith("norm.weight"):
             # Gemma keeps its norms as w - 1: w in the model dtype, as the reference holds
             # it, then 1 + w in float32 (keep_norms_in_float)
@@ -91,15 +105,14 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
         if expert or stacked:
             target, tensor = _expert_target(params, expert, stacked, cfg, hf_name, tensor,
                                             loaded, origin)
-        elif match := re.match(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$",
-                               name):
+        elif (match := re.match(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$",
+                                name)) and _fused_name(match) in params:
             prefix, part, kind = match.groups()
             fused, shard = _FUSED[part]
             name = f"{prefix}.{fused}.{kind}"
             param = _param(params, name, hf_name, origin)
-            # a shared expert's gate/up have their own width (Qwen3-Next)
-            sizes = ([param.shape[0] // 2] * 2 if fused == "gate_up_proj"
-                     else shard_sizes[fused])
+            # gate / up: halves of whichever MLP this is (a shared expert's can be narrower)
+            sizes = shard_sizes[fused] if fused == "qkv_proj" else [param.shape[0] // 2] * 2
             target = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
             loaded.add(f"{name}#{shard}")
         else:
@@ -114,7 +127,26 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
                                  f"the config calls for {list(target.shape)}")
         if not dry_run:
             target.copy_(tensor)
+    if mtp_skipped:
+        logger.info("Skipped the %d tensors of the %d multi-token-prediction layer(s) "
+                    "(layers %d-%d; not used: no MTP speculative decoding here)",
+                    mtp_skipped, cfg.mtp_layers, cfg.num_layers,
+                    cfg.num_layers + cfg.mtp_layers - 1)
     _check_complete(params, loaded, shard_sizes, cfg, origin)
+
+
+def _fused_name(match: re.Match[str]) -> str:
+    """The fused parameter a separate q/k/v or gate/up tensor would go into."""
+    prefix, part, kind = match.groups()
+    return f"{prefix}.{_FUSED[part][0]}.{kind}"
+
+
+def _is_mtp(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of a multi-token-prediction layer (DeepSeek-V3 stores them as the layers
+    after the decoder's)."""
+    layer = re.match(r"layers\.(\d+)\.", name)
+    return (cfg.mtp_layers > 0 and layer is not None
+            and cfg.num_layers <= int(layer.group(1)) < cfg.num_layers + cfg.mtp_layers)
 
 
 def _param(params: dict[str, torch.nn.Parameter], name: str, hf_name: str, origin: TensorOrigin

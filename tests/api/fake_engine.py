@@ -60,6 +60,7 @@ class FakeEngine:
     model_name = "fake-model"
     max_model_len = 1024
     pooling = None  # a generative model
+    vision = None  # a text-only model
     sampling_defaults = NO_DEFAULTS
 
     def __init__(self, script: list[str] | None = None) -> None:

@@ -121,8 +121,6 @@ def test_top_k_beyond_the_vocabulary_is_clamped(server) -> None:
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "logits_processors", ["x"]),
-    (CHAT, "use_beam_search", True),
-    (COMPLETIONS, "use_beam_search", True),
     (CHAT, "thinking_token_budget", 10),
     (COMPLETIONS, "thinking_token_budget", 0),
     (CHAT, "chat_template", "{{ messages }}"),

@@ -163,9 +163,12 @@ def test_split_leaves_the_streaming_state_alone() -> None:
 
 
 def test_registry() -> None:
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "openai_gptoss"}
     for name, cls in REASONING_PARSERS.items():
         assert get_reasoning_parser(name) is cls and cls.name == name
-        assert (cls.start, cls.end) == ("<think>", "</think>")
+        # gpt-oss's harmony channels instead of tags (tests/api/test_harmony.py)
+        assert (cls.start, cls.end) == (("<|channel|>analysis<|message|>",
+                                         "<|channel|>final<|message|>")
+                                        if name == "openai_gptoss" else ("<think>", "</think>"))
     with pytest.raises(ValueError, match="deepseek_r1.*qwen3"):
         get_reasoning_parser("nope")

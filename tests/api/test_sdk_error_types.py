@@ -28,6 +28,7 @@ class StubEngine:
     model_name = "m"
     max_model_len = 64
     pooling = None  # a generative engine
+    vision = None  # a text-only one
     sampling_defaults = NO_DEFAULTS
 
     def __init__(self, failure: BaseException | None) -> None:

@@ -73,6 +73,33 @@ def test_sleep_with_streams_then_503_then_wake_same_outputs(server) -> None:
     assert complete(base).json()["choices"][0]["text"] == before
 
 
+def sleep_state(base: str) -> dict[str, float]:
+    """vllm:engine_sleep_state's value per sleep_state label, parsed as Prometheus does."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics").text
+    return {s.labels["sleep_state"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "vllm:engine_sleep_state" for s in f.samples}
+
+
+def test_sleep_state_gauge_follows_sleep_and_wake(server) -> None:
+    base = server.base_url
+    awake = {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    assert sleep_state(base) == awake
+    httpx.post(f"{base}/sleep", params={"level": 1}, headers=AUTH, timeout=60)
+    assert sleep_state(base) == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
+    # a wake of the weights alone leaves the engine asleep, and the gauge says so
+    httpx.post(f"{base}/wake_up", params={"tags": "weights"}, headers=AUTH, timeout=60)
+    assert sleep_state(base)["awake"] == 0.0
+    httpx.post(f"{base}/wake_up", params={"tags": "kv_cache"}, headers=AUTH, timeout=60)
+    assert sleep_state(base) == awake
+    httpx.post(f"{base}/sleep", params={"level": 2}, headers=AUTH, timeout=60)
+    assert sleep_state(base) == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
+    httpx.post(f"{base}/wake_up", headers=AUTH, timeout=120)
+    assert sleep_state(base) == awake
+    assert complete(base).status_code == 200
+
+
 def test_bad_input_is_a_clear_400(server, tiny_model_factory) -> None:
     base = server.base_url
     bad = httpx.post(f"{base}/sleep", params={"level": 3}, headers=AUTH)

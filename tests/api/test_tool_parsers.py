@@ -433,13 +433,13 @@ def test_ids() -> None:
 
 
 def test_registry() -> None:
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai", "pythonic"}
     for name, cls in TOOL_PARSERS.items():
         assert get_tool_parser(name) is cls and cls.name == name
         assert issubclass(cls, ToolParser)
     assert HERMES.keeps_special_tokens and MISTRAL.keeps_special_tokens
     assert not LLAMA.keeps_special_tokens and not PYTHONIC.keeps_special_tokens
-    with pytest.raises(ValueError, match="hermes.*llama3_json.*mistral.*pythonic"):
+    with pytest.raises(ValueError, match="hermes.*llama3_json.*mistral.*openai.*pythonic"):
         get_tool_parser("nope")
 
 

@@ -99,10 +99,11 @@ def test_write_kv_lands_in_block_offset_and_nowhere_else() -> None:
 # Sliding windows: every path against one naive reference over absolute positions.
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: int,
-                    scale: float, window: int | None, softcap: float | None = None
-                    ) -> torch.Tensor:
+                    scale: float, window: int | None, softcap: float | None = None,
+                    chunk: int | None = None) -> torch.Tensor:
     """q [Hq, D] at position q_pos against the keys at positions 0..T-1 ([T, Hkv, D]):
-    key k is visible iff q_pos - window < k <= q_pos (transformers' sliding window)."""
+    key k is visible iff q_pos - window < k <= q_pos (transformers' sliding window) and
+    k // chunk == q_pos // chunk (Llama 4's chunked attention)."""
     k = k.repeat_interleave(GROUPS, dim=1).transpose(0, 1)  # [Hq, T, D]
     v = v.repeat_interleave(GROUPS, dim=1).transpose(0, 1)
     scores = (q.unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale  # [Hq, T]
@@ -110,6 +111,8 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: in
         scores = torch.tanh(scores / softcap) * softcap
     pos = torch.arange(k.shape[1])
     visible = (pos <= q_pos) & ((pos > q_pos - window) if window is not None else True)
+    if chunk is not None:
+        visible = visible & (pos // chunk == q_pos // chunk)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return (probs.unsqueeze(1) @ v).squeeze(1)
 
@@ -200,4 +203,102 @@ def test_windowed_paged_prefill_matches_naive(window: int, softcap: float | None
             torch.testing.assert_close(out[row, t], ref, atol=1e-5, rtol=1e-5)
     # pad queries' values land in the padding block, which every masked slot multiplies by
     # zero: a NaN there would spread
+    assert torch.isfinite(out).all()
+
+
+# Chunked attention (Llama 4): every path against the same naive reference, chunks shorter
+# and longer than a block, alone and with a window
+
+CHUNKS = [(3, None), (4, None), (8, None), (6, 4)]  # (chunk, window)
+
+
+@pytest.mark.parametrize("chunk, window", CHUNKS)
+def test_chunked_prompt_attention_matches_naive(chunk: int, window: int | None) -> None:
+    torch.manual_seed(7)
+    q = torch.randn(2, 20, HKV * GROUPS, D)
+    k, v = torch.randn(2, 20, HKV, D), torch.randn(2, 20, HKV, D)
+    out = prompt_attention(q, k, v, D**-0.5, None, window, chunk)
+    for row in range(2):
+        for t in range(20):
+            ref = naive_attention(q[row, t], k[row], v[row], t, D**-0.5, window, None, chunk)
+            torch.testing.assert_close(out[row, t], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk, window", CHUNKS)
+def test_chunked_flat_decode_matches_naive(chunk: int, window: int | None) -> None:
+    from server.engine.worker.input_builder import InputBuilder
+
+    torch.manual_seed(8)
+    bm, seqs, (k_cache, v_cache), (k_rows, v_rows) = scattered_cache([1, 4, 5, 9, 17, 26])
+    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32, 4096,
+                           DecodeLayout.FLAT)
+    blocks = sum(len(s.block_table) for s in seqs)
+    inputs = builder.decode(seqs, pad_to=(len(seqs) + 2, blocks + 3))
+    query = torch.randn(len(seqs) + 2, HKV * GROUPS, D)
+    out = flat_paged_attention(query, k_cache, v_cache, inputs.meta, D**-0.5, None, window,
+                               chunk)
+    for row, seq in enumerate(seqs):
+        slots = token_slots(seq)
+        ref = naive_attention(query[row], k_rows[slots], v_rows[slots], seq.num_tokens - 1,
+                              D**-0.5, window, None, chunk)
+        torch.testing.assert_close(out[row], ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("chunk, window", CHUNKS)
+def test_chunked_paged_prefill_matches_naive(chunk: int, window: int | None) -> None:
+    from server.hpu.attention import paged_prefill_attention
+
+    torch.manual_seed(9)
+    totals, contexts = [9, 22, 13], [4, 16, 0]
+    bm, seqs, (k_cache, v_cache), (k_rows, v_rows) = scattered_cache(totals)
+    q_len = max(t - c for t, c in zip(totals, contexts)) + 8
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.full((len(seqs), width), bm.pad_block_id)
+    for row, seq in enumerate(seqs):
+        tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+    meta = AttentionMetadata(True, BLOCK, torch.zeros(1, dtype=torch.long),
+                             has_context=True, context_tables=tables,
+                             context_lens=torch.tensor(contexts), total_lens=torch.tensor(totals))
+    query = torch.randn(len(seqs), q_len, HKV * GROUPS, D)
+    out = paged_prefill_attention(query, k_cache, v_cache, meta, D**-0.5, None, window, chunk)
+    for row, seq in enumerate(seqs):
+        slots = token_slots(seq)
+        for t in range(totals[row] - contexts[row]):
+            ref = naive_attention(query[row, t], k_rows[slots], v_rows[slots],
+                                  contexts[row] + t, D**-0.5, window, None, chunk)
+            torch.testing.assert_close(out[row, t], ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("chunk, window", CHUNKS)
+def test_chunked_verify_matches_naive(chunk: int, window: int | None) -> None:
+    """A speculative verify step: each row's last token and its drafts, the drafts
+    crossing chunk boundaries, one row with fewer drafts (pad queries), padded blocks."""
+    from server.engine.worker.input_builder import InputBuilder
+    from server.hpu.attention import flat_paged_verify_attention
+
+    torch.manual_seed(10)
+    totals, drafts = [7, 15, 26], [3, 3, 1]
+    bm, seqs, (k_cache, v_cache), (k_rows, v_rows) = scattered_cache(totals)
+    verifying = []  # the same blocks, the drafts' tokens not counted yet
+    for seq, d in zip(seqs, drafts):
+        v_seq = Sequence(seq.seq_id, "v", 0, [1] * (seq.num_tokens - d), SamplingParams(), 0.0)
+        v_seq.block_table = seq.block_table
+        verifying.append(v_seq)
+    builder = InputBuilder(BLOCK, bm.pad_block_id, torch.device("cpu"), torch.float32, 4096,
+                           DecodeLayout.FLAT)
+    q = 1 + max(drafts)
+    blocks = sum(len(s.block_table) for s in seqs)
+    inputs = builder.verify(verifying, [[0] * d for d in drafts], (len(seqs) + 1, q, blocks + 2))
+    query = torch.randn((len(seqs) + 1) * q, HKV * GROUPS, D)
+    out = flat_paged_verify_attention(query, k_cache, v_cache, inputs.meta, D**-0.5, None,
+                                      window, chunk)
+    for row, seq in enumerate(seqs):
+        slots = token_slots(seq)
+        first = verifying[row].num_tokens - 1
+        for i in range(1 + drafts[row]):
+            ref = naive_attention(query[row * q + i], k_rows[slots], v_rows[slots], first + i,
+                                  D**-0.5, window, None, chunk)
+            torch.testing.assert_close(out[row * q + i], ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()

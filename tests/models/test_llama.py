@@ -10,7 +10,6 @@ import torch
 from server.engine.core.block_manager import BlockManager
 from server.engine.core.sequence import Sequence
 from server.engine.sampling_params import SamplingParams
-from server.hpu.kv_cache import allocate_kv_cache
 from server.models.loader import load_model, resolve_model_source
 
 BLOCK = 8
@@ -34,8 +33,7 @@ def run_prefill_then_decode(folder: str, prompts: list[list[int]], steps: int,
         inspect(loaded.model)
     cfg = loaded.config
     bm = BlockManager(64, block)
-    kv = allocate_kv_cache(cfg.num_layers, 64, block, cfg.num_kv_heads, cfg.head_dim,
-                           torch.float32, torch.device("cpu"))
+    kv = cfg.kv_layout.allocate(64, block, torch.float32, torch.device("cpu"))
     forward = ModelForward(loaded.model, kv)
     inputs = InputBuilder(block, bm.pad_block_id, torch.device("cpu"), torch.float32, 4096)
     seqs = [Sequence(i, str(i), 0, p, SamplingParams(), 0.0) for i, p in enumerate(prompts)]

@@ -14,13 +14,15 @@ pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
 NEW_TOKENS = 12
 
 
-# Gemma 3 with an 8-token window: its 23 tokens cross it in the sliding layers
-WINDOWS = {"gemma3_text": 8}
+# Gemma 3 with an 8-token window: its 23 tokens cross it in the sliding layers (Llama 4's
+# 8-token attention chunks, likewise)
+WINDOWS = {"gemma3_text": 8, "llama4_text": 8}
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "granite", "phi3", "mixtral", "qwen3_moe",
-                                        "gemma2", "gemma3_text", "qwen3_next",
-                                        "qwen3_5_text", "qwen3_5_moe_text"])
+                                        "gemma2", "gemma3_text", "deepseek_v3",
+                                        "llama4_text", "qwen3_next", "qwen3_5_text",
+                                        "qwen3_5_moe_text"])
 def test_architecture_served_over_http(tiny_model_factory, model_type: str) -> None:
     window = {"sliding_window": WINDOWS[model_type]} if model_type in WINDOWS else {}
     folder, hf_model, hf_tokenizer = tiny_model_factory(model_type=model_type, tie=True,

@@ -35,6 +35,13 @@ class EventWriter:
         self._seq = 0
         self._open: OutputItem | None = None
         self._calls: dict[int, FunctionCallOut] = {}  # a tool call's index -> its item
+        # include message.output_text.logprobs: the tokens' logprobs not yet sent, given to
+        # the next text delta (a token whose text is held back, or reasoning's, rides along)
+        self._logprobs: list[dict[str, Any]] = []
+
+    def add_logprobs(self, entries: list[dict[str, Any]]) -> None:
+        """Logprobs of tokens generated since the last ``feed`` (before it)."""
+        self._logprobs += entries
 
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self._seq, **fields}
@@ -86,10 +93,13 @@ class EventWriter:
             out += self._close("completed") + self._open_message()
         item = self._open
         assert isinstance(item, OutputMessage)
-        item.content[0].text += delta
+        part = item.content[0]
+        part.text += delta
+        logprobs, self._logprobs = self._logprobs, []
+        part.logprobs += logprobs
         return out + [self.event("response.output_text.delta", item_id=item.id,
                                  output_index=self._index(item), content_index=0, delta=delta,
-                                 logprobs=[])]
+                                 logprobs=logprobs)]
 
     def _reasoning(self, delta: str) -> list[str]:
         out: list[str] = []
@@ -129,8 +139,10 @@ class EventWriter:
         out: list[str] = []
         if isinstance(item, OutputMessage):
             part = item.content[0]
+            part.logprobs += self._logprobs  # tokens whose text never showed (an EOS)
+            self._logprobs = []
             out += [self.event("response.output_text.done", item_id=item.id, output_index=index,
-                               content_index=0, text=part.text, logprobs=[]),
+                               content_index=0, text=part.text, logprobs=part.logprobs),
                     self.event("response.content_part.done", item_id=item.id,
                                output_index=index, content_index=0, part=part.model_dump())]
         elif isinstance(item, ReasoningOut):

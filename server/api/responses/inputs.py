@@ -28,6 +28,13 @@ from server.api.responses.protocol import (
 )
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# the one ``include`` value served: each output_text's tokens with their logprobs (and the
+# ``top_logprobs`` best alternatives); as in vLLM and OpenAI, top_logprobs alone asks nothing
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return OUTPUT_LOGPROBS in (req.include or [])
 
 
 def refuse_unsupported(req: ResponsesRequest) -> None:
@@ -40,15 +47,15 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     if choice is not None and not isinstance(choice, (str, NamedFunctionChoice)):
         _refuse("tool_choice", f"tool_choice of type {choice.type!r} is not supported; send "
                                "auto, none, required or a function")
-    if req.include:
-        _refuse("include", f"include {req.include[0]!r} cannot be produced by this server")
+    for value in req.include or []:
+        if value != OUTPUT_LOGPROBS:
+            _refuse("include", f"include {value!r} cannot be produced by this server (only "
+                               f"{OUTPUT_LOGPROBS!r})")
     if req.truncation == "auto":
         _refuse("truncation", 'truncation "auto" is not supported (a too long context is a '
                               '400); send "disabled"')
     if req.max_tool_calls is not None:
         _refuse("max_tool_calls", "max_tool_calls is not supported")
-    if req.top_logprobs:
-        _refuse("top_logprobs", "logprobs are not supported on /v1/responses")
     if req.reasoning is not None and (req.reasoning.summary or req.reasoning.generate_summary):
         _refuse("reasoning", "reasoning summaries cannot be made by this server (reasoning "
                              "is the model's own, split by --reasoning-parser)")
@@ -143,6 +150,9 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
         "repetition_penalty": req.repetition_penalty, "seed": req.seed, "stop": req.stop,
         "ignore_eos": req.ignore_eos, "priority": req.priority, "cache_salt": req.cache_salt,
     }
+    if wants_logprobs(req):
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["reasoning_effort"] = req.reasoning.effort  # the chat template receives it
     if req.tools:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from server.api.chat_output import MessageParts
 from server.api.responses.protocol import (
@@ -47,15 +48,19 @@ def skeleton(req: ResponsesRequest, response_id: str, model: str,
         metadata=req.metadata or {}, user=req.user)
 
 
-def whole_items(parts: MessageParts, finish_reason: str | None) -> list[OutputItem]:
+def whole_items(parts: MessageParts, finish_reason: str | None,
+                logprobs: list[dict[str, Any]] | None = None) -> list[OutputItem]:
     """The output items of a whole reading: the reasoning, the message (also when empty, unless
-    the answer is only calls or reasoning), the calls, in the order the model wrote them."""
+    the answer is only calls or reasoning), the calls, in the order the model wrote them.
+    ``logprobs`` (include message.output_text.logprobs): every generated token's, on the
+    message's text, as vLLM puts them."""
     items: list[OutputItem] = []
     if parts.reasoning:
         items.append(ReasoningOut(id=new_id("rs"), content=[ReasoningText(text=parts.reasoning)]))
     if parts.content or not (parts.tool_calls or parts.reasoning):
         items.append(OutputMessage(id=new_id("msg"), status=item_status(finish_reason),
-                                   content=[OutputText(text=parts.content)]))
+                                   content=[OutputText(text=parts.content,
+                                                       logprobs=logprobs or [])]))
     items += [FunctionCallOut(id=new_id("fc"), call_id=t.id, name=t.name, arguments=t.arguments)
               for t in parts.tool_calls]
     return items

@@ -110,7 +110,9 @@ class ResponsesService:
         the output)."""
         completion = final.outputs[0]
         parts = reader.whole(completion.text)
-        items = whole_items(parts, completion.finish_reason)
+        logprobs = (self.ctx.logprobs.chat_dict(completion.logprobs)["content"]
+                    if completion.logprobs is not None else None)
+        items = whole_items(parts, completion.finish_reason, logprobs)
         return finished(response, final, items, self._reasoning_tokens(items))
 
     def _reasoning_tokens(self, items: list[OutputItem]) -> int:
@@ -148,6 +150,8 @@ class ResponsesService:
                 parts = DeltaParts(parts.reasoning + tail.reasoning,
                                    parts.content + tail.content,
                                    parts.tool_calls + tail.tool_calls)
+            if completion.logprobs:  # a few tokens: formatted here, as chat's chunks are
+                writer.add_logprobs(self.ctx.logprobs.chat_dict(completion.logprobs)["content"])
             for event in writer.feed(parts):
                 yield event
         assert final is not None, "an engine stream ends with a finished output"

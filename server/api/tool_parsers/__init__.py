@@ -23,17 +23,18 @@ from server.api.tool_parsers.json_formats import (
     Llama3JsonToolParser,
     MistralToolParser,
 )
+from server.api.tool_parsers.openai import OpenAIToolParser
 from server.api.tool_parsers.pythonic import PythonicToolParser
 
 __all__ = [
     "TOOL_PARSERS", "ExtractedToolCalls", "HermesToolParser", "Llama3JsonToolParser",
-    "MistralToolParser", "PythonicToolParser", "StreamDelta", "ToolCall", "ToolCallDelta",
+    "MistralToolParser", "OpenAIToolParser", "PythonicToolParser", "StreamDelta", "ToolCall", "ToolCallDelta",
     "ToolParser", "get_tool_parser", "new_call_id",
 ]
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                        PythonicToolParser)
+                        OpenAIToolParser, PythonicToolParser)
 }
 
 

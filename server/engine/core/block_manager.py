@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from server.engine.core.sequence import Sequence
+from server.engine.multimodal.inputs import block_images
 
 
 def chain_root(cache_salt: str | None, lora_id: int | None = None) -> bytes:
@@ -166,7 +167,8 @@ class BlockManager:
         root = seq_root(seq)
         for i in range(len(seq.block_hashes), num_written // size):
             parent = seq.block_hashes[-1] if seq.block_hashes else root
-            digest = block_hash(parent, tokens[i * size:(i + 1) * size])
+            digest = block_hash(parent, tokens[i * size:(i + 1) * size],
+                                block_images(seq.images, i * size, (i + 1) * size))
             seq.block_hashes.append(digest)
             block = seq.block_table[i]
             if digest not in self._by_hash and block not in self._hash_of:
@@ -209,7 +211,8 @@ class BlockManager:
         hits: list[int] = []
         parent = seq_root(seq)
         for i in range(usable):
-            parent = block_hash(parent, tokens[i * size:(i + 1) * size])
+            parent = block_hash(parent, tokens[i * size:(i + 1) * size],
+                                block_images(seq.images, i * size, (i + 1) * size))
             block = self._by_hash.get(parent)
             if block is None:
                 break
@@ -230,9 +233,12 @@ class BlockManager:
                    - len(seq.block_table))
 
 
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+def block_hash(parent: bytes, tokens: list[int], images: bytes = b"") -> bytes:
     """A full block's name: its whole prefix, through the parent's name (sha256: a collision
-    would hand one request another's keys and values)."""
+    would hand one request another's keys and values); ``images``: the hashes of the images
+    whose placeholder tokens it holds (the same tokens stand for any image)."""
     h = hashlib.sha256(parent)
     h.update(array("q", tokens).tobytes())
+    if images:
+        h.update(b"\0images\0" + images)
     return h.digest()

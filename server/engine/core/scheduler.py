@@ -16,6 +16,7 @@ from server.engine.core.block_manager import AllocationPlan, BlockManager
 from server.engine.core.fair_share import ClientQueues, block_victim, fair_victim
 from server.engine.core.sequence import ScheduledBatch, Sequence, SequenceStatus
 from server.engine.core.state_cache import StateSlots
+from server.engine.multimodal.inputs import chunk_end
 from server.hpu.types import Phase
 
 # a proposer: (sequence, most drafts wanted) -> its draft tokens
@@ -245,7 +246,7 @@ class Scheduler:
                 break
             if not seq.in_prefill:
                 continue
-            chunk = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            chunk = self._chunk(seq, seq.num_computed_tokens, budget)
             if chunk == 0:
                 break
             add(seq, chunk, seq.num_computed_tokens > 0)
@@ -261,7 +262,7 @@ class Scheduler:
             plan = self.block_manager.plan(seq)
             if not plan.fits or not self._state_slot_free():
                 break
-            chunk = self._chunk(seq.num_tokens - plan.num_cached_tokens, budget)
+            chunk = self._chunk(seq, plan.num_cached_tokens, budget)
             if chunk == 0:
                 break
             grouped = not (plan.num_cached_tokens and self.limits.context_prefill_alone)
@@ -279,11 +280,15 @@ class Scheduler:
             alone.append(ScheduledBatch(Phase.PREFILL, seqs, num_new_tokens=chunks))
         return alone
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        if remaining <= budget:
-            return remaining
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """The next chunk of ``seq``'s prompt from ``start``: all of it within ``budget``,
+        else the most whole blocks, shortened so as not to cut an image's tokens in two."""
+        remaining = seq.num_tokens - start
         block = self.block_manager.block_size
-        return budget // block * block
+        chunk = remaining if remaining <= budget else budget // block * block
+        if seq.images:
+            chunk = chunk_end(seq.images, start, start + chunk, start + budget) - start
+        return chunk
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         preempted: list[Sequence] = []

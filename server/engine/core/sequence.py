@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.lora.request import LoRARequest
+from server.engine.multimodal.inputs import ImageSpan
 from server.engine.outputs import FinishReason, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.hpu.types import Phase
@@ -60,6 +61,8 @@ class Sequence:
     # hybrid models: its slot in the state cache while it runs (server/engine/core/
     # state_cache.py); None while it waits
     state_slot: int | None = None
+    # its prompt's images: where their placeholder tokens sit, their hashes and pixels
+    images: tuple[ImageSpan, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from server.config import EngineConfig, SchedulerLimits
 from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.lora.manager import LoRAManager, lora_dtype
+from server.engine.multimodal.encoder import VisionEncoder
 from server.engine.outputs import ModelRunnerOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
@@ -32,6 +33,7 @@ from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logp
 from server.engine.worker.sleep import DeviceMemory, WeightLoader
 from server.engine.worker.state_plan import plan_state_cache
 from server.hpu.buckets.adaptive import AdaptiveBuckets
+from server.hpu.buckets.encoder import max_encoder_images
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
 from server.hpu.buckets.plan import (
     decode_buckets,
@@ -43,7 +45,7 @@ from server.hpu.buckets.plan import (
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ForwardInputs, ShapeRunner
-from server.hpu.kv_cache import KVCache, allocate_kv_cache, kv_bytes_per_block, num_kv_blocks
+from server.hpu.kv_cache import KVCache, cache_bytes, num_kv_blocks
 from server.hpu.layer_ops import TorchLayerOps
 from server.hpu.platform import Platform
 from server.hpu.state_cache import LayerState
@@ -69,8 +71,10 @@ class ModelForward:
 
     def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
         if self.state_caches is None:
+            images = ({} if inputs.mm_embeds is None
+                      else {"mm_embeds": inputs.mm_embeds, "mm_mask": inputs.mm_mask})
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.meta, inputs.lora_slots)
+                                inputs.meta, inputs.lora_slots, **images)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.meta, None, self.state_caches, inputs.state)
@@ -103,8 +107,10 @@ class ModelRunner:
         # a window as long as the served context masks nothing: full attention serves it
         window = cfg.min_window if (cfg.min_window or 0) < limits.max_model_len else None
         partial_rotary = cfg.rotary_dim is not None and cfg.rotary_dim < cfg.head_dim
-        if not ops.can_serve(self.kv_dtype, cfg.attn_softcap, window, partial_rotary):
+        latent = cfg.mla is not None  # no fused kernel reads a latent cache
+        if latent or not ops.can_serve(self.kv_dtype, cfg.attn_softcap, window, partial_rotary):
             needs = [f"a {str(self.kv_dtype).replace('torch.', '')} KV cache"]
+            needs += ["multi-head latent attention"] if latent else []
             needs += ["soft-capped attention"] if cfg.attn_softcap else []
             needs += [f"a {window}-token sliding window"] if window else []
             needs += ["partial rotary embeddings"] if partial_rotary else []
@@ -113,6 +119,11 @@ class ModelRunner:
             ops = TorchLayerOps()
         loaded.model.serve_context(limits.max_model_len)
         loaded.model.use_ops(ops)
+        if latent:
+            logger.info("Attention: multi-head latent (MLA) on %s ops: fresh prompts expand "
+                        "the latents to per-head keys and values, decode and prompts after "
+                        "a cached context attend in the latent space (W_UK absorbed into "
+                        "the queries, W_UV applied after)", ops.name)
         # --enable-lora: fixed adapter slots in every layer, before any graph is built
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
@@ -129,13 +140,23 @@ class ModelRunner:
         # cache, from the same memory budget; prefix caching does not apply to them
         self.state = plan_state_cache(config, loaded, limits)
         self.prefix_caching = config.cache.enable_prefix_caching and self.state is None
+        # a vision-language model: the encoder phase of prefills, its buckets and cache
+        self.vision: VisionEncoder | None = None
+        if loaded.vision is not None:
+            self.vision = VisionEncoder(
+                loaded.vision, mode, self.counters, platform.device, loaded.dtype,
+                max_images=max_encoder_images(
+                    config.multimodal.image_limit, limits.max_num_seqs,
+                    limits.max_num_batched_tokens, loaded.vision.config.tokens_per_image),
+                cache_images=config.multimodal.mm_encoder_cache_images)
+            logger.info("%s", self.vision.describe())
         # every rank must hold the same blocks (rank 0's block tables address them all)
+        self.kv_layout = cfg.kv_layout
+        logger.info("KV cache layout: %s", self.kv_layout.describe(self.kv_dtype))
         self.num_blocks = parallel.min_int(self._num_blocks(config, loaded, limits))
-        self.kv_caches = ops.kv_cache_views(allocate_kv_cache(
-            cfg.num_kv_layers, self.num_blocks, self.block_size, cfg.num_kv_heads,
-            cfg.head_dim, self.kv_dtype, platform.device))
-        self.kv_cache_bytes = sum(t.numel() * t.element_size()
-                                  for layer in self.kv_caches for t in layer)
+        self.kv_caches = ops.kv_cache_views(self.kv_layout.allocate(
+            self.num_blocks, self.block_size, self.kv_dtype, platform.device))
+        self.kv_cache_bytes = cache_bytes(self.kv_caches)
         self.state_caches = (self.state.allocate(platform.device) if self.state is not None
                              else None)
         self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
@@ -234,6 +255,8 @@ class ModelRunner:
         if self.lora is not None:
             inputs = self._with_lora(inputs, seqs, new_tokens,
                                      phase is Phase.PREFILL and self.packs_tokens)
+        if self.vision is not None and phase is Phase.PREFILL:
+            inputs = self._with_images(inputs, seqs, new_tokens)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         scored = scored_chunks(seqs, new_tokens) if phase is Phase.PREFILL else []
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
@@ -310,9 +333,22 @@ class ModelRunner:
             slots = torch.tensor(rows + [0] * (bs - len(rows))).repeat_interleave(q)
         return dataclasses.replace(inputs, lora_slots=slots.to(self.platform.device))
 
+    def _with_images(self, inputs: ForwardInputs, seqs: list[Sequence],
+                     new_tokens: list[int]) -> ForwardInputs:
+        """A vision-language prefill: the encoder phase (the images its chunks reach,
+        encoded or found in the cache), then their rows in place of the placeholders'
+        embeddings. Every prefill carries the rows, image or not: one graph per bucket."""
+        assert self.vision is not None
+        starts = flat_starts(inputs, new_tokens, self.packs_tokens)
+        embeds, mask = self.vision.rows(seqs, new_tokens, starts, inputs.input_ids.numel())
+        return dataclasses.replace(inputs, mm_embeds=embeds, mm_mask=mask)
+
     def _dummy(self, phase: Phase, bucket: Bucket) -> ForwardInputs:
-        """Warmup inputs of a bucket; with LoRA, a slot per token (graphs take them)."""
+        """Warmup inputs of a bucket; with LoRA, a slot per token (graphs take them); for a
+        vision model's prefills, blank image rows."""
         inputs = self.inputs.dummy(phase, bucket)
+        if self.vision is not None and phase is Phase.PREFILL:
+            inputs = self._with_images(inputs, [], [])
         if self.lora is None:
             return inputs
         return dataclasses.replace(inputs, lora_slots=torch.zeros(
@@ -342,7 +378,10 @@ class ModelRunner:
                             lambda: self.platform.free_memory_bytes()[0])
         logger.info("Execution mode: %s", self.graphs.description)
         with torch.inference_mode():
-            seconds = run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+            began = time.monotonic()
+            if self.vision is not None and not self.warmup_config.skip:
+                self.vision.warmup()  # before run_warmup moves the counters to serving
+            seconds = time.monotonic() - began + run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
         self._free_after_warmup = self.platform.free_memory_bytes()[0]
         return seconds
 
@@ -449,13 +488,16 @@ class ModelRunner:
         cache = config.cache
         if cache.num_blocks_override is not None:
             return cache.num_blocks_override
-        cfg = loaded.config
-        per_block = kv_bytes_per_block(cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       cache.block_size, self.kv_dtype)
+        per_block = loaded.config.kv_layout.bytes_per_block(cache.block_size, self.kv_dtype)
         per_seq = blocks_for(limits.max_model_len, cache.block_size)
+        budget = self.platform.kv_cache_budget_bytes(cache)
+        if self.vision is not None:  # the encoder's working memory at its largest bucket
+            encoder = self.vision.activation_bytes()
+            logger.info("Vision encoder activations: %.1f MiB kept out of the KV cache",
+                        encoder / 2**20)
+            budget -= encoder
         # No use holding more than every sequence at full length. The state cache (hybrid
         # models) comes out of the same budget.
-        budget = self.platform.kv_cache_budget_bytes(cache)
         if self.state is not None:
             budget = self.state.kv_budget(budget, per_block)
         return num_kv_blocks(budget, per_block, limits.max_num_seqs * per_seq, per_seq)

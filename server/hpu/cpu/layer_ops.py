@@ -6,7 +6,9 @@ values; attention differs in the last bits only: the kernel keeps scores in fp32
 flat path rounds them to the model dtype.
 
 Every attention variant of the registry's families runs in the kernels: per-layer sliding
-windows (blocks before the window are not even read), soft-capped scores (Gemma 2), any
+windows and attention chunks (blocks before the window or chunk are not even read),
+soft-capped scores (Gemma 2), attention sinks (gpt-oss: a per-head logit in every softmax's
+denominator), any
 head size (64, 96, 128 and 256 on compiled fast paths), fp8 e4m3 KV caches (written with
 PyTorch's rounding, widened as they are read) and partial rotary embeddings.
 """
@@ -98,7 +100,8 @@ class FusedCpuLayerOps(TorchLayerOps):
 
     def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          kv_cache: KVCache, meta: AttentionMetadata, bs: int, scale: float,
-                         softcap: float | None = None, window: int | None = None
+                         softcap: float | None = None, window: int | None = None,
+                         chunk: int | None = None, sinks: torch.Tensor | None = None
                          ) -> torch.Tensor:
         # after a cached prefix the kernel reads it from the cache, however long (measured
         # on SmolLM2 with a 1,000-token prefix: 1.35 s per hit, against 1.7 s for PyTorch's
@@ -106,16 +109,20 @@ class FusedCpuLayerOps(TorchLayerOps):
         if meta.block_tables is None or (query.shape[0] // bs > self.kernel_prompt_max
                                          and not meta.has_context and not meta.packed):
             return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale,
-                                            softcap, window)
-        return self.decode_attention(query, kv_cache, meta, scale, softcap, window)
+                                            softcap, window, chunk, sinks=sinks)
+        return self.decode_attention(query, kv_cache, meta, scale, softcap, window, chunk,
+                                     sinks=sinks)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                         scale: float, softcap: float | None = None, window: int | None = None
+                         scale: float, softcap: float | None = None, window: int | None = None,
+                         chunk: int | None = None, sinks: torch.Tensor | None = None
                          ) -> torch.Tensor:
         assert meta.block_tables is not None and meta.seq_lens is not None
-        # 0: no window / no cap (the op's schema takes plain numbers)
+        # 0: no window / no cap / no chunk (the op's schema takes plain numbers); sinks in fp32
         return self._attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
-                               meta.seq_lens, scale, window or 0, softcap or 0.0)
+                               meta.seq_lens, scale, window or 0, softcap or 0.0,
+                               chunk=chunk or 0,
+                               sinks=None if sinks is None else sinks.float().contiguous())
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         # PyTorch's CPU argmax is a scalar loop: 64 x 49k logits took 2.0 ms against 0.23.

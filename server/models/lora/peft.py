@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from server.models.config import ModelConfig
+from server.models.rotary import interleaved_to_halves
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -49,7 +50,9 @@ TARGETS: dict[str, tuple[LoRASite, int | None]] = {
     "gate_proj": (LoRASite.GATE_UP, 0), "up_proj": (LoRASite.GATE_UP, 1),
     "gate_up_proj": (LoRASite.GATE_UP, None), "down_proj": (LoRASite.DOWN, 0),
 }
-_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
+# (Llama 4 names its MLPs feed_forward)
+_KEY = re.compile(
+    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp|feed_forward)\.(\w+)\.lora_(A|B)\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,12 @@ def load_peft_adapter(path: str | Path, cfg: ModelConfig, max_rank: int,
             raise AdapterError(
                 f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
                 f"base layer ({out} x {shape.inputs}, rank {r}): wrong base model?")
+        if cfg.interleaved_rope and site is LoRASite.QKV:
+            if part is None:
+                raise AdapterError(f"{where}: a fused qkv adapter of an interleaved-RoPE "
+                                   "model is not supported")
+            if part < 2:  # q / k outputs, reordered as the base rows were
+                b = interleaved_to_halves(b, cfg.head_dim)
         num_parts = len(shape.parts)
         a_all, bt_all = weights.get((layer, site), (None, None))
         if a_all is None or bt_all is None:

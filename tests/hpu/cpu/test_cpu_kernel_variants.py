@@ -1,5 +1,6 @@
 """The fused CPU kernels' attention variants against a float64 dense reference (sliding
-windows, soft-capped scores, heads of 96 and 256, fp8 e4m3 KV caches), their rotary + cache
+windows, attention chunks, soft-capped scores, attention sinks, heads of 96 and 256, fp8 e4m3
+KV caches), their rotary + cache
 write against the PyTorch ops byte for byte (partial rotary, fp8 stores), Gemma's norms and
 GeGLU, and the engine serving every such family on the kernels with transformers' greedy
 tokens."""
@@ -29,9 +30,16 @@ def fused() -> FusedCpuLayerOps:
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    window: int | None, softcap: float | None) -> torch.Tensor:
+                    window: int | None, softcap: float | None,
+                    sinks: torch.Tensor | None = None, chunk: int | None = None
+                    ) -> torch.Tensor:
     """q [Hq, D], the last of the sequence's k / v [T, Hkv, D], in float64: it sees the
-    last ``window`` keys (transformers' rule), scores capped as cap * tanh(s / cap)."""
+    last ``window`` keys (transformers' rule) of its own ``chunk`` of positions, scores
+    capped as cap * tanh(s / cap); each head's sink logit (gpt-oss) an extra softmax column,
+    dropped after."""
+    if chunk is not None:
+        start = (k.shape[0] - 1) // chunk * chunk
+        k, v = k[start:], v[start:]
     if window is not None:
         k, v = k[-window:], v[-window:]
     groups = q.shape[0] // k.shape[1]
@@ -40,6 +48,10 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     scores = (q.double().unsqueeze(1) @ k.transpose(1, 2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if sinks is not None:
+        column = sinks.double().view(-1, 1, 1)
+        probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+        return (probs @ v).squeeze(1)
     return (torch.softmax(scores, -1) @ v).squeeze(1)
 
 
@@ -56,7 +68,8 @@ VARIANT_IDS = ["plain", "window5", "window16", "window40", "softcap", "fp8", "al
 
 
 def check_rows(fused, dtype, kv_heads, groups, dim, block, row_tables, row_lens, tables_of,
-               rows, window, softcap, kv_dtype, rng_seed) -> None:
+               rows, window, softcap, kv_dtype, rng_seed, sinks: bool = False,
+               chunk: int | None = None) -> None:
     torch.manual_seed(rng_seed)
     num_blocks = max(b for t in tables_of for b in t) + 1
     k_cache, v_cache = random_cache(num_blocks, kv_heads, block, dim, dtype, kv_dtype)
@@ -71,14 +84,17 @@ def check_rows(fused, dtype, kv_heads, groups, dim, block, row_tables, row_lens,
     qkv = torch.randn(len(row_lens), (kv_heads * groups + 2 * kv_heads) * dim, dtype=dtype)
     query = qkv.view(len(row_lens), -1, dim)[:, : kv_heads * groups]
     scale = dim**-0.5
-    out = fused.decode_attention(query, (keys_t, v_cache), meta, scale, softcap, window)
+    # sinks spread from well below to well above typical scores: each head weighs its own
+    sink = torch.linspace(-4.0, 6.0, kv_heads * groups) if sinks else None
+    out = fused.decode_attention(query, (keys_t, v_cache), meta, scale, softcap, window,
+                                 chunk=chunk, sinks=sink)
     assert out.shape == query.shape and out.dtype == dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for row, (seq, n) in enumerate(zip(rows, row_lens)):
         blocks = torch.tensor(tables_of[seq])
         k = k_cache[blocks].float().transpose(1, 2).reshape(-1, kv_heads, dim)[:n]
         v = v_cache[blocks].float().transpose(1, 2).reshape(-1, kv_heads, dim)[:n]
-        want = dense_reference(query[row], k, v, scale, window, softcap)
+        want = dense_reference(query[row], k, v, scale, window, softcap, sink, chunk)
         torch.testing.assert_close(out[row].double(), want, atol=tol, rtol=tol)
 
 
@@ -129,6 +145,130 @@ def test_prompt_rows_variants_match_dense(fused, dtype, variant, kv_heads, group
                rows, window, softcap, FP8 if fp8 else dtype, groups)
 
 
+# gpt-oss: sinks alone, with its 128-token-style window, and with an fp8 cache
+SINK_VARIANTS = [(None, False), (5, False), (40, False), (None, True), (21, True)]
+SINK_IDS = ["sinks", "sinks-window5", "sinks-window40", "sinks-fp8", "sinks-window-fp8"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", SINK_VARIANTS, ids=SINK_IDS)
+@pytest.mark.parametrize("kv_heads, groups, dim, block", [
+    (2, 4, 64, 16),  # gpt-oss's head size, 8 query heads per kv head
+    (2, 2, 64, 32),
+    (1, 2, 40, 12)])  # the generic loops
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 48, 130, 3], [130]],
+                         ids=["rows-per-thread", "one-row"])
+def test_decode_attention_sinks_match_dense(fused, dtype, variant, kv_heads, groups, dim,
+                                            block, lens) -> None:
+    window, fp8 = variant
+    rng = random.Random(dim + len(lens))
+    free = list(range(sum(-(-n // block) for n in lens) + 5))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
+    check_rows(fused, dtype, kv_heads, groups, dim, block, tables, lens, tables,
+               list(range(len(lens))), window, None, FP8 if fp8 else dtype, dim, sinks=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", SINK_VARIANTS, ids=SINK_IDS)
+@pytest.mark.parametrize("kv_heads, groups, dim, block", [
+    (2, 4, 64, 16), (1, 2, 64, 32), (1, 2, 40, 12)])
+def test_prompt_rows_sinks_match_dense(fused, dtype, variant, kv_heads, groups, dim,
+                                       block) -> None:
+    """Packed prompt chunks (the four-rows-at-a-time path, lone rows beside them)."""
+    window, fp8 = variant
+    rng = random.Random(block + groups)
+    chunks = [(0, 37), (40, 1), (16, 16), (5, 3), (100, 30), (7, 1)]
+    lens_of = [c + n for c, n in chunks]
+    free = list(range(sum(-(-n // block) for n in lens_of) + 3))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens_of]
+    rows, row_lens, row_tables = [], [], []
+    for seq, (ctx, n) in enumerate(chunks):
+        for i in range(n):
+            rows.append(seq)
+            row_lens.append(ctx + i + 1)
+            row_tables.append(tables[seq])
+    check_rows(fused, dtype, kv_heads, groups, dim, block, row_tables, row_lens, tables,
+               rows, window, None, FP8 if fp8 else dtype, groups, sinks=True)
+
+
+# (chunk, window, softcap, fp8 cache): Llama 4's chunks, shorter and longer than a block,
+# alone and with the other variants
+CHUNKED = [(8, None, None, False), (32, None, None, False), (24, 5, None, False),
+           (12, 40, 2.0, True)]
+CHUNKED_IDS = ["chunk8", "chunk32", "chunk24-window5", "chunk12-all"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", CHUNKED, ids=CHUNKED_IDS)
+@pytest.mark.parametrize("kv_heads, groups, dim, block", [
+    (2, 2, 64, 16), (1, 4, 128, 32), (1, 2, 40, 12)])
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 48, 130, 3], [130]],
+                         ids=["rows-per-thread", "one-row"])
+def test_decode_attention_chunks_match_dense(fused, dtype, variant, kv_heads, groups, dim,
+                                             block, lens) -> None:
+    chunk, window, softcap, fp8 = variant
+    rng = random.Random(dim + len(lens))
+    free = list(range(sum(-(-n // block) for n in lens) + 5))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
+    check_rows(fused, dtype, kv_heads, groups, dim, block, tables, lens, tables,
+               list(range(len(lens))), window, softcap, FP8 if fp8 else dtype, dim, chunk=chunk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", CHUNKED, ids=CHUNKED_IDS)
+@pytest.mark.parametrize("kv_heads, groups, dim, block", [
+    (2, 2, 64, 16), (1, 4, 128, 32), (1, 2, 40, 12)])
+def test_prompt_rows_chunks_match_dense(fused, dtype, variant, kv_heads, groups, dim,
+                                        block) -> None:
+    """Packed prompt chunks, four rows per pass: a chunk boundary falls between two of the
+    four rows (a later row's first visible key in a later block than the first row's)."""
+    chunk, window, softcap, fp8 = variant
+    rng = random.Random(block + groups)
+    chunks = [(0, 37), (40, 1), (16, 16), (5, 3), (100, 30), (7, 1), (61, 9)]
+    lens_of = [c + n for c, n in chunks]
+    free = list(range(sum(-(-n // block) for n in lens_of) + 3))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens_of]
+    rows, row_lens, row_tables = [], [], []
+    for seq, (ctx, n) in enumerate(chunks):
+        for i in range(n):
+            rows.append(seq)
+            row_lens.append(ctx + i + 1)
+            row_tables.append(tables[seq])
+    check_rows(fused, dtype, kv_heads, groups, dim, block, row_tables, row_lens, tables,
+               rows, window, softcap, FP8 if fp8 else dtype, groups, chunk=chunk)
+
+
+def test_chunk_changes_the_kernel_output_like_the_torch_path(fused) -> None:
+    """A chunk is no no-op on these inputs (so a kernel ignoring it fails the references
+    above), and the kernel agrees with the flat PyTorch decode path's chunk mask."""
+    from server.hpu.attention import flat_paged_attention
+
+    block, dim, n, chunk = 16, 64, 45, 8
+    k_cache, v_cache = random_cache(3, 1, block, dim, torch.float32, torch.float32)
+    meta = AttentionMetadata(False, block, torch.zeros(1, dtype=torch.long),
+                             block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32))
+    query = torch.randn(1, 2, dim) * 3
+    cache = (k_cache.transpose(2, 3).contiguous(), v_cache)
+    plain = fused.decode_attention(query, cache, meta, dim**-0.5)
+    chunked = fused.decode_attention(query, cache, meta, dim**-0.5, chunk=chunk)
+    assert (chunked - plain).abs().max() > 1e-2
+    # the flat layout of the same row: blocks 0-2, the query at position n - 1
+    usage = torch.tensor([block, block, (n - 1) % block + 1])
+    flat = AttentionMetadata(
+        False, block, torch.zeros(1, dtype=torch.long),
+        block_list=torch.tensor([0, 1, 2]), block_groups=torch.zeros(3, dtype=torch.long),
+        block_mapping=torch.ones(3, 1),
+        block_bias=torch.where(torch.arange(block) < usage.view(-1, 1), 0.0, -1e30),
+        block_start=torch.arange(3) * block - (n - 1))
+    torch_out = flat_paged_attention(query, k_cache, v_cache, flat, dim**-0.5, chunk=chunk)
+    torch.testing.assert_close(chunked, torch_out, atol=1e-5, rtol=1e-5)
+
+
 def test_window_and_softcap_change_the_kernel_output(fused) -> None:
     """The variants are not no-ops on these inputs: plain attention misses the references
     above (so a kernel ignoring its window or cap fails them)."""
@@ -143,6 +283,9 @@ def test_window_and_softcap_change_the_kernel_output(fused) -> None:
     for softcap, window in ((None, 5), (1.0, None)):
         other = fused.decode_attention(query, cache, meta, dim**-0.5, softcap, window)
         assert (other - plain).abs().max() > 1e-2
+    sinks = fused.decode_attention(query, cache, meta, dim**-0.5,
+                                   sinks=torch.tensor([12.0, 20.0]))  # near the top scores
+    assert (sinks - plain).abs().max() > 1e-2
 
 
 def fp8_bytes(t: torch.Tensor) -> torch.Tensor:

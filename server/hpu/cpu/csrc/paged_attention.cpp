@@ -12,11 +12,14 @@ namespace {
 // query [rows, Hq, D] (rows and heads may be strided, e.g. a view into qkv), caches as in
 // check_cache_layout (the query's dtype or fp8 e4m3), block_tables int32 [rows, width],
 // seq_lens int32 [rows] (tokens of each row, including the one being decoded), window
-// (tokens a query sees, itself included; 0: all), softcap (0: none) -> [rows, Hq, D].
+// (tokens a query sees, itself included; 0: all), softcap (0: none), chunk (attention
+// chunk: a query sees the keys of its own chunk of positions only; 0: none), sinks (fp32
+// [Hq] sink logits, gpt-oss; None: none) -> [rows, Hq, D].
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t window,
-                            double softcap) {
+                            double softcap, int64_t chunk,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && query.stride(2) == 1,
               "query must be a CPU [rows, heads, head_dim] tensor, unit stride in head_dim");
   const auto dtype = query.scalar_type();
@@ -31,10 +34,17 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   seq_lens.numel() == query.size(0),
               "seq_lens must be int32 [rows]");
-  TORCH_CHECK(window >= 0 && softcap >= 0., "window and softcap must be >= 0 (0: none)");
+  TORCH_CHECK(window >= 0 && softcap >= 0. && chunk >= 0,
+              "window, softcap and chunk must be >= 0 (0: none)");
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                    sinks->is_contiguous() && sinks->numel() == query.size(1),
+                "sinks must be a contiguous fp32 CPU tensor of one logit per query head");
+  }
   at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  const AttentionArgs args{query, k_cache, v_cache, block_tables, seq_lens, out,
-                           static_cast<float>(scale), window, static_cast<float>(softcap)};
+  AttentionArgs args{query, k_cache, v_cache, block_tables, seq_lens, out,
+                     static_cast<float>(scale), window, static_cast<float>(softcap), chunk};
+  args.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
     attention_fp8_cache(args);
   } else if (dtype == at::kBFloat16) {
@@ -51,7 +61,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(hpu_serve, m) {
   m.def(
       "decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window=0, float softcap=0.) -> Tensor");
+      "Tensor seq_lens, float scale, int window=0, float softcap=0., int chunk=0, "
+      "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hpu_serve, CPU, m) {

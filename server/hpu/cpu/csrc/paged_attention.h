@@ -13,7 +13,11 @@
 // - a sliding window (per layer): a row whose sequence holds len tokens sees positions
 //   [len - window, len), transformers' rule; blocks wholly before it are not read at all,
 //   so a windowed layer costs O(window), not O(len);
+// - an attention chunk (per layer, Llama 4): the row at position len - 1 sees only its own
+//   chunk, positions [(len - 1) / chunk * chunk, len); blocks before it are not read either;
 // - soft-capped scores (Gemma 2): cap * tanh(s / cap) before the softmax;
+// - attention sinks (gpt-oss): a learned logit per query head that joins the softmax's
+//   denominator and adds no value; it enters once, when a row's output is normalised;
 // - the cache dtype C: the query's dtype T, or fp8 e4m3 widened to fp32 as it is loaded.
 //
 // The templates live here; paged_attention.cpp instantiates the caches in the model's
@@ -34,11 +38,29 @@ struct AttentionArgs {
   float scale;
   int64_t window;  // 0: none
   float softcap;   // 0: none
+  int64_t chunk = 0;  // 0: none
+  const float* sinks = nullptr;  // [query heads] fp32 sink logits; nullptr: none
 };
 
-// The first key position a row with `len` tokens sees (its query is the last of them).
-inline int64_t first_visible(int64_t len, int64_t window) {
-  return window > 0 ? std::max<int64_t>(len - window, 0) : 0;
+// 1 / the softmax denominator of query head g: the running sum (relative to run_max), plus
+// the head's sink exp(sink - run_max) when there are sinks. An empty row (run_max -inf)
+// gets 0, so its output is zeros, not NaN.
+inline float softmax_inv(float run_sum, float run_max, const float* sinks, int64_t g) {
+  float denom = run_sum;
+  if (sinks != nullptr) denom += std::exp(sinks[g] - run_max);
+  return denom > 0.f && std::isfinite(denom) ? 1.f / denom : 0.f;
+}
+
+// The sinks of kv head h's G query heads (nullptr: none).
+inline const float* head_sinks(const float* sinks, int64_t h, int64_t groups) {
+  return sinks == nullptr ? nullptr : sinks + h * groups;
+}
+
+// The first key position a row with `len` tokens sees (its query is the last of them):
+// the later of its window's start and its chunk's.
+inline int64_t first_visible(int64_t len, int64_t window, int64_t chunk) {
+  const int64_t from = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
+  return chunk > 0 && len > 0 ? std::max<int64_t>(from, (len - 1) / chunk * chunk) : from;
 }
 
 // Scores p[0..n) -> cap * tanh(p / cap), as the PyTorch path caps them (cap 0: none).
@@ -116,10 +138,10 @@ struct GenericHead {
     }
   }
 
-  void finish(T* out) {
+  void finish(T* out, const float* sinks) {
     for (int64_t g = 0; g < groups; ++g) {
       // An empty sequence (never scheduled, but cheap to guard) yields zeros, not NaN.
-      const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+      const float inv = softmax_inv(run_sum[g], run_max[g], sinks, g);
       for (int64_t d = 0; d < dim; ++d) store(out + g * dim, d, acc[g * dim + d] * inv);
     }
   }
@@ -175,9 +197,9 @@ struct FastHead {
     }
   }
 
-  void finish(T* out) {
+  void finish(T* out, const float* sinks) {
     for (int g = 0; g < G; ++g) {
-      const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+      const float inv = softmax_inv(run_sum[g], run_max[g], sinks, g);
 #pragma omp simd
       for (int d = 0; d < DIM; ++d) store(out + g * DIM, d, acc[g][d] * inv);
     }
@@ -268,10 +290,10 @@ struct FastTokens {
     }
   }
 
-  void finish(T* const* outs) {
+  void finish(T* const* outs, const float* sinks) {
     for (int t = 0; t < rows; ++t) {
       for (int g = 0; g < G; ++g) {
-        const float inv = run_sum[t][g] > 0.f ? 1.f / run_sum[t][g] : 0.f;
+        const float inv = softmax_inv(run_sum[t][g], run_max[t][g], sinks, g);
 #pragma omp simd
         for (int d = 0; d < DIM; ++d) store(outs[t] + g * DIM, d, acc[t][g][d] * inv);
       }
@@ -299,10 +321,11 @@ inline void check_lens(const AttentionArgs& a) {
 
 // One row's walk over its visible blocks: step(offset, lo, n) per block, in order.
 template <typename Step>
-inline void for_each_block(const int32_t* table, int64_t len, int64_t window, int64_t block,
-                           int64_t num_blocks, int64_t head_offset, int64_t block_elems,
+inline void for_each_block(const int32_t* table, int64_t len, int64_t window, int64_t chunk,
+                           int64_t block, int64_t num_blocks, int64_t head_offset,
+                           int64_t block_elems,
                            Step&& step) {
-  const int64_t from = first_visible(len, window);
+  const int64_t from = first_visible(len, window, chunk);
   for (int64_t b = from / block; b * block < len; ++b) {
     const int64_t blk = table[b];
     TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " out of the cache");
@@ -336,6 +359,7 @@ bool prompt_attention_impl(const AttentionArgs& a) {
   const int64_t q_head = a.query.stride(1);
   const int64_t num_blocks = a.k_cache.size(0);
   const int64_t window = a.window;
+  const int64_t chunk = a.chunk;
   const float softcap = a.softcap;
   const T* qp = a.query.data_ptr<T>();
   const C* kc = a.k_cache.data_ptr<C>();
@@ -358,11 +382,11 @@ bool prompt_attention_impl(const AttentionArgs& a) {
       const int64_t block_elems = num_kv_heads * block * DIM;
       if (count == 1) {  // QT lanes for one row would do QT times the arithmetic
         lone.start(qp + first * q_row + h * G * q_head, q_head, fscale);
-        for_each_block(tables + first * width, lens[first], window, block, num_blocks,
+        for_each_block(tables + first * width, lens[first], window, chunk, block, num_blocks,
                        head_offset, block_elems, [&](int64_t offset, int64_t l, int64_t m) {
                          lone.block_step(kc + offset, vc + offset, l, m, softcap);
                        });
-        lone.finish(op + (first * num_heads + h * G) * DIM);
+        lone.finish(op + (first * num_heads + h * G) * DIM, head_sinks(a.sinks, h, G));
         continue;
       }
       for (int t = 0; t < count; ++t) {
@@ -371,7 +395,7 @@ bool prompt_attention_impl(const AttentionArgs& a) {
       }
       heads.start(queries, count, q_head, fscale);
       // rows ascend by one token: the first sees the earliest key, the last the latest
-      const int64_t from = first_visible(lens[first], window);
+      const int64_t from = first_visible(lens[first], window, chunk);
       const int64_t longest = lens[first + count - 1];
       for (int64_t b = from / block; b * block < longest; ++b) {
         const int64_t blk = tables[first * width + b];
@@ -379,13 +403,14 @@ bool prompt_attention_impl(const AttentionArgs& a) {
         const int64_t start = b * block;
         for (int t = 0; t < count; ++t) {
           const int64_t len = lens[first + t];
-          lo[t] = std::min(std::max<int64_t>(first_visible(len, window) - start, 0), block);
+          lo[t] = std::min(std::max<int64_t>(first_visible(len, window, chunk) - start, 0),
+                           block);
           n[t] = std::min(std::max<int64_t>(len - start, 0), block);
         }
         const int64_t offset = blk * block_elems + head_offset;
         heads.block_step(kc + offset, vc + offset, lo, n, softcap);
       }
-      heads.finish(outs);
+      heads.finish(outs, head_sinks(a.sinks, h, G));
     }
   });
   return true;
@@ -405,6 +430,7 @@ void decode_attention_impl(const AttentionArgs& a) {
   const int64_t table_width = a.block_tables.size(1);
   const int64_t num_blocks = a.k_cache.size(0);
   const int64_t window = a.window;
+  const int64_t chunk = a.chunk;
   const float softcap = a.softcap;
   const T* qp = a.query.data_ptr<T>();
   const C* kc = a.k_cache.data_ptr<C>();
@@ -423,7 +449,7 @@ void decode_attention_impl(const AttentionArgs& a) {
     TORCH_CHECK(blk >= 0 && blk < num_blocks, "block ", blk, " out of the cache");
     return blk * block_elems + h * block * dim;
   };
-  auto first_block = [&](int64_t r) { return first_visible(lens[r], window) / block; };
+  auto first_block = [&](int64_t r) { return first_visible(lens[r], window, chunk) / block; };
   // Blocks are short scattered streams (block x dim elements per head): the hardware
   // prefetcher ramps up too late on them (measured: ~10 GB/s from DRAM against 36 GB/s
   // from cache), so the next block is requested while this one is computed.
@@ -450,7 +476,7 @@ void decode_attention_impl(const AttentionArgs& a) {
           heads[h].start(qp + r * q_row + h * groups * q_head, q_head, fscale);
         }
         const int64_t len = lens[r];
-        const int64_t from = first_visible(len, window);
+        const int64_t from = first_visible(len, window, chunk);
         for (int64_t b = from / block; b * block < len; ++b) {
           const int64_t start = b * block;
           const int64_t lo = std::max<int64_t>(from - start, 0);
@@ -465,7 +491,8 @@ void decode_attention_impl(const AttentionArgs& a) {
           }
         }
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          heads[h].finish(op + (r * num_heads + h * groups) * dim);
+          heads[h].finish(op + (r * num_heads + h * groups) * dim,
+                          head_sinks(a.sinks, h, groups));
         }
       }
     });
@@ -479,7 +506,7 @@ void decode_attention_impl(const AttentionArgs& a) {
       const int64_t h = item % num_kv_heads;
       head.start(qp + r * q_row + h * groups * q_head, q_head, fscale);
       const int64_t len = lens[r];
-      const int64_t from = first_visible(len, window);
+      const int64_t from = first_visible(len, window, chunk);
       for (int64_t b = from / block; b * block < len; ++b) {
         const int64_t next = block_offset(r, h, b + 1);
         const int64_t r2 = (item + 1) / num_kv_heads;
@@ -492,7 +519,7 @@ void decode_attention_impl(const AttentionArgs& a) {
         head.block_step(kc + offset, vc + offset, std::max<int64_t>(from - start, 0),
                         std::min(block, len - start), softcap);
       }
-      head.finish(op + (r * num_heads + h * groups) * dim);
+      head.finish(op + (r * num_heads + h * groups) * dim, head_sinks(a.sinks, h, groups));
     }
   });
 }

@@ -1,0 +1,14 @@
+"""Fixtures of the vision tests (the builders are in vision_helpers.py)."""
+
+from __future__ import annotations
+
+import pytest
+from vision_helpers import save_tiny_llava
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object, object]:
+    """(folder, HF LlavaForConditionalGeneration, its processor)."""
+    path = tmp_path_factory.mktemp("tiny-llava")
+    model, processor = save_tiny_llava(path)
+    return str(path), model, processor
