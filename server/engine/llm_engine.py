@@ -118,8 +118,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, block_size,
                                           self.runner.prefix_caching)
         # hybrid models: which running sequence holds which state slot
-        self.state_slots = (StateSlots(self.runner.num_state_slots)
-                            if self.runner.num_state_slots else None)
+        state = self.runner.state
+        self.state_slots = StateSlots(state.num_slots) if state is not None else None
         assert self.block_manager.pad_block_id == self.runner.pad_block_id
         spec = config.speculative.settings
         self.spec_stats = (SpecDecodeStats(spec.num_speculative_tokens)

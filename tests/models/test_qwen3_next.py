@@ -370,7 +370,7 @@ def test_state_cache_comes_out_of_the_kv_budget(tiny_model_factory) -> None:
     states = runner.state_caches
     assert len(states) == 3 and all(t.shape[0] == 17 for layer in states for t in layer)
     held = sum(t.numel() * t.element_size() for layer in states for t in layer)
-    assert runner.state_cache_bytes == held
+    assert runner.state.nbytes == held
     per_block = kv_bytes_per_block(1, cfg.num_kv_heads, cfg.head_dim, 4, torch.float32)
     assert runner.num_blocks == (budget - held) // per_block - 1
 
@@ -404,3 +404,27 @@ def test_a_budget_the_state_cache_fills_is_a_clear_error(tiny_model_factory) -> 
     with pytest.raises(RuntimeError, match="the state cache .*lower --max-num-seqs"):
         LLM(folder, dtype="float32", block_size=4, max_num_seqs=64, max_model_len=64,
             environ={"VLLM_CPU_KVCACHE_SPACE": str(2**19 / 2**30)})
+
+
+def test_chunked_rule_equals_the_token_by_token_one() -> None:
+    """The chunked delta rule (prompts) against the token-by-token one (decode) on random
+    inputs: several chunks, grouped value heads, a starting state, a row whose padding
+    must leave its state alone."""
+    from server.models.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    bs, length, k_heads, v_heads, dim = 2, 150, 2, 4, 16
+    q = torch.randn(bs, length, k_heads, dim, generator=gen)
+    k = torch.randn(bs, length, k_heads, dim, generator=gen)
+    v = torch.randn(bs, length, v_heads, dim, generator=gen)
+    g = -torch.rand(bs, length, v_heads, generator=gen)
+    beta = torch.rand(bs, length, v_heads, generator=gen)
+    g[1, 100:], beta[1, 100:] = 0.0, 0.0  # row 1 ends at 100 tokens
+    state = torch.randn(bs, v_heads, dim, dim, generator=gen)
+    out, final = chunked_gated_delta_rule(q, k, v, g, beta, state)
+    ref, ref_final = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, ref_final, atol=1e-5, rtol=1e-5)
+    _, short = recurrent_gated_delta_rule(q[1:, :100], k[1:, :100], v[1:, :100],
+                                          g[1:, :100], beta[1:, :100], state[1:])
+    torch.testing.assert_close(final[1:], short, atol=1e-5, rtol=1e-5)

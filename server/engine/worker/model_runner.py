@@ -31,6 +31,7 @@ from server.engine.worker.prompt_logprobs import all_rows, flat_starts, score, s
 from server.engine.worker.rejection import verify, verify_rows
 from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logprobs
 from server.engine.worker.sleep import DeviceMemory, WeightLoader
+from server.engine.worker.state_plan import plan_state_cache
 from server.hpu.buckets.adaptive import AdaptiveBuckets
 from server.hpu.buckets.encoder import max_encoder_images
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
@@ -47,7 +48,7 @@ from server.hpu.graph_runner import ForwardInputs, ShapeRunner
 from server.hpu.kv_cache import KVCache, cache_bytes, num_kv_blocks
 from server.hpu.layer_ops import TorchLayerOps
 from server.hpu.platform import Platform
-from server.hpu.state_cache import LayerState, allocate_state_cache, state_cache_bytes
+from server.hpu.state_cache import LayerState
 from server.hpu.types import Bucket, BucketLimits, DecodeLayout, Phase, SyncPoint
 from server.hpu.warmup import WarmupHooks, run_warmup
 from server.models.llama import LlamaForCausalLM
@@ -136,22 +137,9 @@ class ModelRunner:
             logger.info("LoRA: %d slots of rank %d, %.1f MiB", slots.num_slots,
                         slots.max_rank, slots.nbytes / 2**20)
         # hybrid models (Qwen3-Next): a state slot per running sequence beside the KV
-        # cache, taken from the same memory budget
-        hybrid = cfg.is_hybrid
-        if hybrid and config.speculative.settings is not None:
-            raise ValueError("--speculative-config is not supported for hybrid "
-                             "(linear-attention) models: a rejected draft token would "
-                             "already be in their recurrent state")
-        self.state_shapes = loaded.model.state_shapes(loaded.dtype) if hybrid else []
-        self.num_state_slots = limits.max_num_seqs if hybrid else 0
-        self.state_cache_bytes = state_cache_bytes(self.state_shapes, self.num_state_slots)
-        # no prefix caching where a cached prefix's state is not kept (state_cache.py)
-        self.prefix_caching = config.cache.enable_prefix_caching and not hybrid
-        if hybrid:
-            logger.info("Prefix caching: off for this hybrid model (its linear-attention "
-                        "state after a prefix is not cached: every prompt is computed "
-                        "whole)%s", "; --enable-prefix-caching does not apply"
-                        if config.cache.enable_prefix_caching else "")
+        # cache, from the same memory budget; prefix caching does not apply to them
+        self.state = plan_state_cache(config, loaded, limits)
+        self.prefix_caching = config.cache.enable_prefix_caching and self.state is None
         # a vision-language model: the encoder phase of prefills, its buckets and cache
         self.vision: VisionEncoder | None = None
         if loaded.vision is not None:
@@ -169,19 +157,13 @@ class ModelRunner:
         self.kv_caches = ops.kv_cache_views(self.kv_layout.allocate(
             self.num_blocks, self.block_size, self.kv_dtype, platform.device))
         self.kv_cache_bytes = cache_bytes(self.kv_caches)
-        self.state_caches = (allocate_state_cache(self.state_shapes, self.num_state_slots,
-                                                  platform.device) if hybrid else None)
-        if hybrid:
-            logger.info("State cache: %d slots (max_num_seqs) + 1 padding slot, %d "
-                        "linear-attention layers, %.1f KiB per slot, %.2f MiB in all",
-                        self.num_state_slots, len(self.state_shapes),
-                        sum(s.bytes_per_slot for s in self.state_shapes) / 2**10,
-                        self.state_cache_bytes / 2**20)
+        self.state_caches = (self.state.allocate(platform.device) if self.state is not None
+                             else None)
         self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
                                    self.kv_cache_bytes)
         self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
                                    loaded.dtype, limits.max_model_len, ops.decode_layout,
-                                   self.num_state_slots if hybrid else None)
+                                   self.state.pad_slot if self.state is not None else None)
         graphs: ShapeRunner = platform.graph_runner(
             mode, ModelForward(loaded.model, self.kv_caches, self.state_caches),
             self.counters, loaded.model, config.device)
@@ -192,7 +174,7 @@ class ModelRunner:
         # forward per step, the decode rows inside the chunk's large matmuls). Graphs and
         # the reference ops keep the padded [bs, q] grid of the buckets.
         # (not hybrid models: their linear layers read each row's tokens as one sequence)
-        self.packs_tokens = (not self.graphs.needs_warmup and not hybrid
+        self.packs_tokens = (not self.graphs.needs_warmup and self.state is None
                              and ops.decode_layout is DecodeLayout.BLOCK_TABLES)
         self.warmup_config = config.warmup
         ranges = resolve_ranges(
@@ -516,14 +498,9 @@ class ModelRunner:
             budget -= encoder
         # No use holding more than every sequence at full length. The state cache (hybrid
         # models) comes out of the same budget.
-        if self.state_cache_bytes and self.state_cache_bytes + 2 * per_block > budget:
-            raise RuntimeError(
-                f"the state cache ({self.num_state_slots} slots, one per --max-num-seqs, "
-                f"{self.state_cache_bytes / 2**30:.2f} GiB) leaves no room for KV blocks in "
-                f"the {budget / 2**30:.2f} GiB budget: lower --max-num-seqs or raise the "
-                "budget (VLLM_CPU_KVCACHE_SPACE / --gpu-memory-utilization)")
-        return num_kv_blocks(budget - self.state_cache_bytes, per_block,
-                             limits.max_num_seqs * per_seq, per_seq)
+        if self.state is not None:
+            budget = self.state.kv_budget(budget, per_block)
+        return num_kv_blocks(budget, per_block, limits.max_num_seqs * per_seq, per_seq)
 
 
 def bucket_label(phase: Phase, bucket: Bucket) -> str:
