@@ -18,6 +18,7 @@ from server.config import (
     SchedulerConfig,
     SchedulerLimits,
     ServerConfig,
+    SpecMethod,
     SpeculativeConfig,
     engine_config_from_args,
     server_config_from_args,
@@ -128,6 +129,9 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
     verify = (verify_buckets(ranges, spec.query_len, spec.disable_by_batch_size)
               if spec is not None else None)
     print(format_plan(ranges, verify))
+    if spec is not None and spec.method is SpecMethod.DRAFT_MODEL:
+        print(f"Draft model {spec.model}: warms every bucket above on its own graphs (it "
+              "mirrors each target step); its draft steps are the decode buckets")
     return 0
 
 

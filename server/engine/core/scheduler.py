@@ -17,16 +17,18 @@ from server.engine.core.fair_share import ClientQueues, block_victim, fair_victi
 from server.engine.core.sequence import ScheduledBatch, Sequence, SequenceStatus
 from server.hpu.types import Phase
 
-# a proposer: (sequence, most drafts wanted) -> its draft tokens
-Propose = Callable[[Sequence, int], list[int]]
+# a proposer: (sequences, most drafts each may have) -> their draft tokens; the slots of
+# those drafts are already allocated (a draft model writes its own K/V there)
+Propose = Callable[[list[Sequence], list[int]], list[list[int]]]
 
 
 @dataclass(frozen=True, slots=True)
 class Speculation:
-    """What the scheduler needs of speculative decoding: the proposer, and the running
-    batch size above which decodes go plain (None: never)."""
+    """What the scheduler needs of speculative decoding: the proposer, the most drafts per
+    sequence, and the running batch size above which decodes go plain (None: never)."""
 
     propose: Propose
+    num_speculative_tokens: int
     disable_by_batch_size: int | None = None
 
 
@@ -313,20 +315,26 @@ class Scheduler:
         if spec is None or (spec.disable_by_batch_size is not None
                             and len(self.running) > spec.disable_by_batch_size):
             return None
-        drafts: list[list[int]] = []
+        limits: list[int] = []
         for seq in decoding:
             params = seq.params
             # no draft past the length limits (their tokens would be cut), nor where a
             # grammar constrains each position (its mask follows the accepted tokens)
-            limit = self.limits.max_model_len - seq.num_tokens
+            limit = min(spec.num_speculative_tokens,
+                        self.limits.max_model_len - seq.num_tokens)
             if params.max_tokens is not None:
                 limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
-            found = spec.propose(seq, limit) if limit > 0 and seq.grammar is None else []
-            if found and self.block_manager.can_append(seq, len(found)):
-                self.block_manager.append_slot(seq, len(found))
+            if limit > 0 and seq.grammar is None and self.block_manager.can_append(seq, limit):
+                self.block_manager.append_slot(seq, limit)
             else:
-                found = []
-            drafts.append(found)
+                limit = 0
+            limits.append(limit)
+        if not any(limits):
+            return None
+        drafts = spec.propose(decoding, limits)
+        for seq, found, limit in zip(decoding, drafts, limits):
+            if len(found) < limit:  # the blocks of drafts not proposed go back
+                self.block_manager.trim(seq, len(found))
         return drafts if any(drafts) else None
 
     def _preempt(self, seq: Sequence) -> None:
