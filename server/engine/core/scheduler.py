@@ -309,8 +309,11 @@ class Scheduler:
     def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
         """Each decoding sequence's draft tokens, with the blocks they are written to;
         None (a plain decode) when speculation is off, the batch is above
-        ``disable_by_batch_size`` or no sequence has a draft. Drafts never claim a block
-        another sequence would need: a sequence short of blocks drafts nothing."""
+        ``disable_by_batch_size`` or no sequence has a draft. The blocks of up to ``k``
+        drafts are taken before proposing (a draft model writes its K/V there) and those of
+        drafts not proposed given back. Drafts never claim a block another sequence would
+        need: every decoding sequence holds its next token's block already, and one short
+        of blocks for its drafts drafts nothing."""
         spec = self.speculation
         if spec is None or (spec.disable_by_batch_size is not None
                             and len(self.running) > spec.disable_by_batch_size):
