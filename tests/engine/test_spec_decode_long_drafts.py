@@ -78,14 +78,11 @@ def test_k8_greedy_identical_on_gguf_int4_weights(smollm2_gguf) -> None:
     layers = [m for m in spec.engine.runner.model.modules()
               if isinstance(m, SmallBatchInt4Linear)]
     assert layers and all(m.max_rows == K + 1 for m in layers)
-    params = SamplingParams(temperature=0.0, max_tokens=48)
+    params = SamplingParams(temperature=0.0, max_tokens=32)
     text = ("Copy this list exactly: apples, pears, plums, cherries, grapes, lemons, "
             "limes, melons, peaches, apricots.")
-    prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": text}],
-                                           add_generation_prompt=True),
-               plain.tokenizer.encode_chat([{"role": "user", "content": "Repeat: " + text}],
-                                           add_generation_prompt=True)]
-    for prompt in prompts:
-        want = plain.generate([prompt], params)[0].outputs[0].token_ids
-        assert spec.generate([prompt], params)[0].outputs[0].token_ids == want
+    prompt = plain.tokenizer.encode_chat([{"role": "user", "content": text}],
+                                         add_generation_prompt=True)
+    want = plain.generate([prompt], params)[0].outputs[0].token_ids
+    assert spec.generate([prompt], params)[0].outputs[0].token_ids == want
     assert spec.engine.stats().spec_num_accepted_tokens > 0
