@@ -189,7 +189,7 @@ def test_sampled_distribution_is_the_targets(pair) -> None:
         stats = engine.engine.stats()
         accepted = stats.spec_num_accepted_tokens
         rejected = stats.spec_num_draft_tokens - accepted
-    assert accepted > 100 and rejected > 100  # both branches of the rule ran
+    assert accepted > 50 and rejected > 50  # both branches of the rule ran
     keys = sorted(set(counts[0]) | set(counts[1]))
     table = [[c.get(k, 0) + 0.5 for k in keys] for c in counts]
     assert chi2_contingency(table)[1] > 0.01
