@@ -3,15 +3,21 @@
 SmolLM2-135M unless --model), greedy.
 
     python benchmarks/spec_decode.py [--model PATH] [--k 3] [--rounds 2]
-        [--method ngram|draft_model] [--draft PATH]
+        [--method ngram|draft_model] [--draft PATH] [--quantization none]
+        [--concurrency 16] [--disable-by-batch-size 0]
+
+``--method draft_model`` drafts with ``--draft`` (default: the embedded Q4_1 GGUF, served
+from its 4-bit codes); ``--quantization none`` serves the target from its dense bfloat16
+weights (the embedded model's dense copy: a target that the Q4 draft is cheaper than).
 
 Two workloads, each timed in rounds A/B then B/A (A: plain, B: speculative) so drift in the
 machine's load falls on both sides:
 
 * ``grounded``: prompts whose answer repeats the prompt (copy a passage, quote it, edit
   code), one request at a time (concurrency 1). The issue's target: >= 2x output tok/s.
-* ``fresh``: 64 different open-ended prompts at once (concurrency 64), with
-  ``disable_by_batch_size`` set, so the busy engine decodes plain. Target: >= 0.95x.
+* ``fresh``: ``--concurrency`` (64) different open-ended prompts at once, with
+  ``disable_by_batch_size`` set (0: never off), so the busy engine decodes plain.
+  Target: >= 0.95x.
 
 Prints output tok/s of each side, their ratio, the acceptance rate (accepted / drafted
 tokens) and whether the greedy texts are identical (they must be).
@@ -118,12 +124,19 @@ def compare(name: str, plain: LLM, spec: LLM, prompts: list[list[int]],
 
 def spec_config(args: argparse.Namespace) -> dict:
     config: dict = {"method": args.method, "num_speculative_tokens": args.k,
-                    "disable_by_batch_size": args.disable_by_batch_size}
+                    "disable_by_batch_size": args.disable_by_batch_size or None}
     if args.method == "ngram":
         config.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
     else:
-        config["model"] = args.draft
+        config["model"] = args.draft or embedded_gguf()
     return config
+
+
+def embedded_gguf() -> str:
+    """The embedded SmolLM2-135M Q4_1 GGUF file."""
+    from server.models.loader import DEFAULT_MODEL_FILE, resolve_model_source
+
+    return str(Path(resolve_model_source(None).folder) / DEFAULT_MODEL_FILE)
 
 
 def main() -> int:
@@ -141,10 +154,14 @@ def main() -> int:
     parser.add_argument("--fresh-tokens", type=int, default=32)
     parser.add_argument("--skip-fresh", action="store_true")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--quantization", default=None,
+                        help="the target's --quantization (none: a GGUF's dense weights)")
     args = parser.parse_args()
     common: dict = {"max_num_seqs": args.concurrency, "max_model_len": 1024}
     if args.dtype:
         common["dtype"] = args.dtype
+    if args.quantization:
+        common["quantization"] = args.quantization
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=spec_config(args), **common)
     print(f"speculative config: {spec_config(args)}", flush=True)

@@ -21,6 +21,7 @@ from server.config import (
     SchedulerConfig,
     SchedulerLimits,
     ServerConfig,
+    SpecMethod,
     SpeculativeConfig,
     engine_config_from_args,
     server_config_from_args,
@@ -144,6 +145,9 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
     encoder = encoder_plan(args, batched)
     if encoder:
         print(encoder)
+    if spec is not None and spec.method is SpecMethod.DRAFT_MODEL:
+        print(f"Draft model {spec.model}: warms every bucket above on its own graphs (it "
+              "mirrors each target step); its draft steps are the decode buckets")
     return 0
 
 

@@ -18,10 +18,15 @@ class SpecMethod(str, enum.Enum):
     at start-up with their name."""
 
     NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"
 
     def __str__(self) -> str:
         return self.value
 
+
+# vLLM's methods this server does not have yet: refused at start-up, saying so
+_NOT_YET = frozenset({"eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix",
+                      "deepseek_mtp", "qwen3_next_mtp", "ernie_mtp"})
 
 # vLLM's keys that this server reads; any other key is a start-up error naming it
 _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min",
@@ -33,14 +38,16 @@ _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min",
 class SpeculativeSettings:
     """The parsed ``--speculative-config``: ``num_speculative_tokens`` drafts per decode step
     (the verify step's query is one more), proposed by prompt lookup of an n-gram of
-    ``prompt_lookup_min``..``prompt_lookup_max`` tokens; off above ``disable_by_batch_size``
-    running sequences (None: never off)."""
+    ``prompt_lookup_min``..``prompt_lookup_max`` tokens (``ngram``) or by the smaller
+    checkpoint at ``model`` (``draft_model``); off above ``disable_by_batch_size`` running
+    sequences (None: never off)."""
 
     method: SpecMethod
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft checkpoint (a path or a Hub id)
 
     @property
     def query_len(self) -> int:
@@ -65,17 +72,28 @@ def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeSetti
         raise ValueError(f"{where}: unsupported key(s) {', '.join(unknown)} (supported: "
                          f"{', '.join(sorted(_KEYS))})")
     method = data.get("method")
-    if method is None and data.get("model") in ("ngram", "[ngram]"):
+    model = data.get("model")
+    supported = ", ".join(m.value for m in SpecMethod)
+    if method is None and model in ("ngram", "[ngram]"):
         method = "ngram"  # vLLM's older spelling: "model": "[ngram]"
+    elif method is None and isinstance(model, str) and model:
+        # vLLM's rule: a model and no method is a draft model, unless its name says EAGLE
+        method = "eagle" if "eagle" in model.lower() else "draft_model"
     if method is None:
-        raise ValueError(f"{where}: \"method\" is required (supported: ngram)")
+        raise ValueError(f"{where}: \"method\" is required (supported: {supported})")
+    if method in _NOT_YET:
+        raise ValueError(f"{where}: method {method!r} is not supported by this server yet "
+                         f"(supported: {supported})")
     try:
         spec_method = SpecMethod(method)
     except ValueError:
         raise ValueError(f"{where}: method {method!r} is not supported (supported: "
-                         f"{', '.join(m.value for m in SpecMethod)})") from None
-    if spec_method is SpecMethod.NGRAM and data.get("model") not in (None, "ngram", "[ngram]"):
+                         f"{supported})") from None
+    if spec_method is SpecMethod.NGRAM and model not in (None, "ngram", "[ngram]"):
         raise ValueError(f"{where}: \"model\" is for a draft model; method ngram takes none")
+    if spec_method is SpecMethod.DRAFT_MODEL and (not isinstance(model, str) or not model):
+        raise ValueError(f"{where}: method draft_model needs \"model\": the draft "
+                         "checkpoint (a smaller model with the target's tokenizer)")
     if data.get("draft_tensor_parallel_size") not in (None, 1):
         raise ValueError(f"{where}: draft_tensor_parallel_size must be 1")
     k = _int(data, "num_speculative_tokens", None)
@@ -95,7 +113,8 @@ def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeSetti
                          f"({hi})")
     if disable is not None and disable < 1:
         raise ValueError(f"{where}: disable_by_batch_size must be >= 1")
-    return SpeculativeSettings(spec_method, k, lo, hi, disable)
+    return SpeculativeSettings(spec_method, k, lo, hi, disable,
+                               model if spec_method is SpecMethod.DRAFT_MODEL else None)
 
 
 def _int(data: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -115,8 +134,9 @@ class SpeculativeConfig:
         None, group=GROUP, metavar="JSON",
         help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
              "\"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": "
-             "M, \"disable_by_batch_size\": B} (verify steps run in warmed decode buckets of "
-             "query K + 1)")
+             "M, \"disable_by_batch_size\": B} or {\"method\": \"draft_model\", \"model\": "
+             "PATH, \"num_speculative_tokens\": K} (verify steps run in warmed decode buckets "
+             "of query K + 1)")
 
     def __post_init__(self) -> None:
         value: Any = self.speculative_config

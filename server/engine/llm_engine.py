@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from server.cache_dir import writable_cache_dir
-from server.config import EngineConfig, ModelOptions
+from server.config import EngineConfig, ModelOptions, SpecMethod, SpeculativeSettings
 from server.engine.core.block_manager import BlockManager
 from server.engine.core.scheduler import Scheduler, Speculation
 from server.engine.core.sequence import ScheduledBatch
@@ -129,9 +129,7 @@ class LLMEngine:
                                    fuse_decodes=self.runner.packs_tokens,
                                    max_loras=(config.lora.max_loras
                                               if config.lora.enable_lora else None),
-                                   speculation=(Speculation(NgramProposer(spec).propose,
-                                                            spec.disable_by_batch_size)
-                                                if spec is not None else None),
+                                   speculation=self._speculation(spec),
                                    state_slots=self.state_slots)
         # --enable-lora: the adapters served by name (--lora-modules, /v1/load_lora_adapter)
         self.lora_config = config.lora
@@ -376,6 +374,17 @@ class LLMEngine:
             bm.stats.queries, bm.stats.hits, *self._lora_stats(), *self._spec_stats(),
             sleep_level=int(self._sleep_level) if self._sleep_level is not None else 0,
         )
+
+    def _speculation(self, spec: SpeculativeSettings | None) -> Speculation | None:
+        """The scheduler's proposer: prompt lookup, or the runner's draft model."""
+        if spec is None:
+            return None
+        if spec.method is SpecMethod.DRAFT_MODEL:
+            assert self.runner.draft is not None
+            propose = self.runner.draft.propose
+        else:
+            propose = NgramProposer(spec).propose_batch
+        return Speculation(propose, spec.num_speculative_tokens, spec.disable_by_batch_size)
 
     def _spec_stats(self) -> tuple[int, int, int, tuple[int, ...]]:
         s = self.spec_stats

@@ -101,10 +101,12 @@ class Platform:
 
     def prepare_model(self, model: torch.nn.Module, mode: ExecutionMode, cfg: DeviceConfig,
                       int4_weights: Callable[[], Mapping[str, Any]] | None,
-                      cache_dir: Path) -> TorchLayerOps:
+                      cache_dir: Path, decode_query: int = 1) -> TorchLayerOps:
         """Device-specific preparation of a loaded model before its KV cache exists (weight
-        layouts, quantized paths); returns the layer ops the model should run."""
-        del model, mode, cfg, int4_weights, cache_dir
+        layouts, quantized paths); returns the layer ops the model should run.
+        ``decode_query``: tokens per sequence of the largest decode step (a speculative
+        verify step's k + 1; 1 without speculation)."""
+        del model, mode, cfg, int4_weights, cache_dir, decode_query
         return TorchLayerOps()
 
 

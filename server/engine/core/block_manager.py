@@ -143,10 +143,11 @@ class BlockManager:
         for _ in range(self._missing(seq, extra)):
             seq.block_table.append(self._take())
 
-    def trim(self, seq: Sequence) -> None:
-        """Gives back the blocks past what ``seq``'s tokens need: the ones only rejected
-        draft tokens were written to (never named: they were past the computed tokens)."""
-        keep = blocks_for(seq.num_tokens, self.block_size)
+    def trim(self, seq: Sequence, extra: int = 0) -> None:
+        """Gives back the blocks past what ``seq``'s tokens (and ``extra`` draft tokens
+        after them) need: the ones only rejected or unproposed drafts were for (never
+        named: they were past the computed tokens)."""
+        keep = blocks_for(seq.num_tokens + extra, self.block_size)
         while len(seq.block_table) > keep:
             block = seq.block_table.pop()
             refs = self._refs.pop(block) - 1

@@ -19,16 +19,18 @@ from server.engine.core.state_cache import StateSlots
 from server.engine.multimodal.inputs import chunk_end
 from server.hpu.types import Phase
 
-# a proposer: (sequence, most drafts wanted) -> its draft tokens
-Propose = Callable[[Sequence, int], list[int]]
+# a proposer: (sequences, most drafts each may have) -> their draft tokens; the slots of
+# those drafts are already allocated (a draft model writes its own K/V there)
+Propose = Callable[[list[Sequence], list[int]], list[list[int]]]
 
 
 @dataclass(frozen=True, slots=True)
 class Speculation:
-    """What the scheduler needs of speculative decoding: the proposer, and the running
-    batch size above which decodes go plain (None: never)."""
+    """What the scheduler needs of speculative decoding: the proposer, the most drafts per
+    sequence, and the running batch size above which decodes go plain (None: never)."""
 
     propose: Propose
+    num_speculative_tokens: int
     disable_by_batch_size: int | None = None
 
 
@@ -319,26 +321,35 @@ class Scheduler:
     def _drafts(self, decoding: list[Sequence]) -> list[list[int]] | None:
         """Each decoding sequence's draft tokens, with the blocks they are written to;
         None (a plain decode) when speculation is off, the batch is above
-        ``disable_by_batch_size`` or no sequence has a draft. Drafts never claim a block
-        another sequence would need: a sequence short of blocks drafts nothing."""
+        ``disable_by_batch_size`` or no sequence has a draft. The blocks of up to ``k``
+        drafts are taken before proposing (a draft model writes its K/V there) and those of
+        drafts not proposed given back. Drafts never claim a block another sequence would
+        need: every decoding sequence holds its next token's block already, and one short
+        of blocks for its drafts drafts nothing."""
         spec = self.speculation
         if spec is None or (spec.disable_by_batch_size is not None
                             and len(self.running) > spec.disable_by_batch_size):
             return None
-        drafts: list[list[int]] = []
+        limits: list[int] = []
         for seq in decoding:
             params = seq.params
             # no draft past the length limits (their tokens would be cut), nor where a
             # grammar constrains each position (its mask follows the accepted tokens)
-            limit = self.limits.max_model_len - seq.num_tokens
+            limit = min(spec.num_speculative_tokens,
+                        self.limits.max_model_len - seq.num_tokens)
             if params.max_tokens is not None:
                 limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
-            found = spec.propose(seq, limit) if limit > 0 and seq.grammar is None else []
-            if found and self.block_manager.can_append(seq, len(found)):
-                self.block_manager.append_slot(seq, len(found))
+            if limit > 0 and seq.grammar is None and self.block_manager.can_append(seq, limit):
+                self.block_manager.append_slot(seq, limit)
             else:
-                found = []
-            drafts.append(found)
+                limit = 0
+            limits.append(limit)
+        if not any(limits):
+            return None
+        drafts = spec.propose(decoding, limits)
+        for seq, found, limit in zip(decoding, drafts, limits):
+            if len(found) < limit:  # the blocks of drafts not proposed go back
+                self.block_manager.trim(seq, len(found))
         return drafts if any(drafts) else None
 
     def _preempt(self, seq: Sequence) -> None:

@@ -19,6 +19,11 @@ class NgramProposer:
         self.min_n = settings.prompt_lookup_min
         self.max_n = settings.prompt_lookup_max
 
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Each sequence's drafts (the scheduler's batched interface)."""
+        return [self.propose(seq, limit) if limit > 0 else []
+                for seq, limit in zip(seqs, limits)]
+
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """At most ``min(k, limit)`` draft tokens for ``seq`` (empty: no match)."""
         limit = min(self.k, limit)

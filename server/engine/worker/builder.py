@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from server.cache_dir import writable_cache_dir
-from server.config import EngineConfig, ExecutionMode, SchedulerLimits
+from server.config import EngineConfig, ExecutionMode, SchedulerLimits, SpecMethod
 from server.engine.worker.model_runner import ModelRunner
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ShapeRunner
 from server.hpu.platform import Platform
-from server.models.loader import LoadedModel, ModelSource, load_int4_weights
+from server.models.loader import (
+    LoadedModel,
+    ModelSource,
+    load_int4_weights,
+    load_model,
+    resolve_model_source,
+)
 from server.models.lora import LoRASlots, SlotWriter
 
 # Wraps the platform's graph runner (tensor parallelism's rank 0: broadcast, then run).
@@ -53,8 +60,31 @@ def build_model_runner(config: EngineConfig, platform: Platform, source: ModelSo
     int4_weights = (functools.partial(load_int4_weights, source, loaded.config)
                     if source.is_gguf and config.model.quantization != "none"
                     and parallel.world_size == 1 else None)
+    draft, draft_int4 = load_draft(config, platform, loaded, parallel)
     return ModelRunner(
         config, platform, loaded,
         resolve_limits(config, platform, loaded.config.max_position_embeddings),
         eos_token_ids, config.model.served_model_name or source.name,
-        writable_cache_dir(config.cache_dir), int4_weights, parallel, wrap_graphs, wrap_lora)
+        writable_cache_dir(config.cache_dir), int4_weights, parallel, wrap_graphs, wrap_lora,
+        draft, draft_int4)
+
+
+def load_draft(config: EngineConfig, platform: Platform, loaded: LoadedModel,
+               parallel: ParallelContext) -> tuple[LoadedModel | None, Any]:
+    """``--speculative-config`` draft_model: the draft checkpoint, in the target's dtype (the
+    two share the input tensors), and its GGUF 4-bit codes where it has them (whatever the
+    target's --quantization: a draft is read for speed, e.g. a Q4 GGUF drafting for its
+    own dense copy)."""
+    spec = config.speculative.settings
+    if spec is None or spec.method is not SpecMethod.DRAFT_MODEL:
+        return None, None
+    assert spec.model is not None
+    if parallel.world_size > 1:
+        raise ValueError("--speculative-config draft_model: not with --tensor-parallel-size "
+                         "> 1 yet")
+    source = resolve_model_source(spec.model)
+    dtype = str(loaded.dtype).replace("torch.", "")
+    draft = load_model(source, dtype, platform.device)
+    int4 = (functools.partial(load_int4_weights, source, draft.config)
+            if source.is_gguf else None)
+    return draft, int4

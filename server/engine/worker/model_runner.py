@@ -26,6 +26,13 @@ from server.engine.multimodal.encoder import VisionEncoder
 from server.engine.outputs import ModelRunnerOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
+from server.engine.worker.draft_model import (
+    DraftForward,
+    DraftModel,
+    allocate_draft_cache,
+    draft_kv_bytes_per_block,
+    prepare_draft,
+)
 from server.engine.worker.input_builder import InputBuilder, dummy_seq
 from server.engine.worker.prompt_logprobs import all_rows, flat_starts, score, scored_chunks
 from server.engine.worker.rejection import verify, verify_rows
@@ -91,7 +98,9 @@ class ModelRunner:
                  int4_weights: Callable[[], Mapping[str, Any]] | None = None,
                  parallel: ParallelContext = SINGLE,
                  wrap_graphs: Callable[[ShapeRunner], ShapeRunner] | None = None,
-                 wrap_lora: Callable[[LoRASlots], SlotWriter] | None = None) -> None:
+                 wrap_lora: Callable[[LoRASlots], SlotWriter] | None = None,
+                 draft: LoadedModel | None = None,
+                 draft_int4_weights: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.platform = platform
         self.limits = limits
         self.model = loaded.model
@@ -101,7 +110,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.counters = DeviceCounters(model_name)
         mode = platform.resolve_mode(config.device)
-        ops = platform.prepare_model(loaded.model, mode, config.device, int4_weights, cache_dir)
+        spec = config.speculative.settings
+        ops = platform.prepare_model(loaded.model, mode, config.device, int4_weights, cache_dir,
+                                     spec.query_len if spec is not None else 1)
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, loaded.dtype)
         cfg = loaded.config
         # a window as long as the served context masks nothing: full attention serves it
@@ -150,13 +161,28 @@ class ModelRunner:
                     limits.max_num_batched_tokens, loaded.vision.config.tokens_per_image),
                 cache_images=config.multimodal.mm_encoder_cache_images)
             logger.info("%s", self.vision.describe())
+        # --speculative-config draft_model: the draft runs the target's layer ops (one
+        # input layout for both) and holds the target's blocks in its own cache
+        draft_block_bytes = 0
+        if draft is not None:
+            if config.device.enable_sleep_mode:
+                raise ValueError("--speculative-config draft_model: not with "
+                                 "--enable-sleep-mode yet")
+            prepare_draft(draft, loaded, ops, platform, mode, config, draft_int4_weights,
+                          cache_dir, limits.max_model_len, self.kv_dtype)
+            draft_block_bytes = draft_kv_bytes_per_block(draft, self.block_size,
+                                                         self.kv_dtype)
         # every rank must hold the same blocks (rank 0's block tables address them all)
         self.kv_layout = cfg.kv_layout
         logger.info("KV cache layout: %s", self.kv_layout.describe(self.kv_dtype))
-        self.num_blocks = parallel.min_int(self._num_blocks(config, loaded, limits))
+        self.num_blocks = parallel.min_int(self._num_blocks(config, loaded, limits,
+                                                            draft_block_bytes))
         self.kv_caches = ops.kv_cache_views(self.kv_layout.allocate(
             self.num_blocks, self.block_size, self.kv_dtype, platform.device))
-        self.kv_cache_bytes = cache_bytes(self.kv_caches)
+        draft_caches = (allocate_draft_cache(draft, ops, self.num_blocks, self.block_size,
+                                             self.kv_dtype, platform.device)
+                        if draft is not None else [])
+        self.kv_cache_bytes = cache_bytes(self.kv_caches + draft_caches)
         self.state_caches = (self.state.allocate(platform.device) if self.state is not None
                              else None)
         self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
@@ -169,6 +195,9 @@ class ModelRunner:
             self.counters, loaded.model, config.device)
         self.graphs = graphs if wrap_graphs is None else wrap_graphs(graphs)
         self.sampler = Sampler(ops.argmax)
+        draft_graphs = (platform.graph_runner(mode, DraftForward(draft.model, draft_caches),
+                                              self.counters, draft.model, config.device)
+                        if draft is not None else None)
         # Eager with per-row block tables: a prefill's tokens are packed back to back with
         # no padding, and decodes can ride in the same forward as prompt chunks (one
         # forward per step, the decode rows inside the chunk's large matmuls). Graphs and
@@ -187,7 +216,6 @@ class ModelRunner:
         # would just compute the padding.
         self.shapes: ShapePlanner | None = None
         # --speculative-config: verify steps run decode buckets of this query length
-        spec = config.speculative.settings
         self.spec_query = spec.query_len if spec is not None else None
         if ranges.enabled and self.graphs.needs_warmup:
             verify = (verify_buckets(ranges, spec.query_len, spec.disable_by_batch_size)
@@ -198,6 +226,8 @@ class ModelRunner:
                 logger.info("%s", line)
         bucket_limits = BucketLimits(limits.max_model_len, limits.max_num_seqs,
                                      limits.max_num_batched_tokens, self.num_blocks)
+        self.draft = (DraftModel(draft_graphs, self.inputs, self.shapes, self.sampler.argmax)
+                      if draft_graphs is not None else None)
         self.adaptive: AdaptiveBuckets | None = None
         if self.shapes is not None and config.bucketing.adaptive:
             b = config.bucketing
@@ -268,6 +298,8 @@ class ModelRunner:
             logits = every.index_select(0, last)[: len(seqs)]
         else:
             logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
+        if self.draft is not None:  # the draft's K/V of the same tokens
+            self.draft.mirror(phase, bucket, inputs)
         label = bucket_label(phase, bucket)
         rows = batch.sampling_rows  # a prompt chunk short of its end samples nothing
         if not rows:
@@ -304,6 +336,8 @@ class ModelRunner:
             inputs = self._with_lora(inputs, seqs, new_tokens, self.packs_tokens)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         logits = self.graphs.run(phase, bucket, inputs)
+        if self.draft is not None:  # the last token's and the drafts' K/V in the draft
+            self.draft.mirror(phase, bucket, inputs)
         if not self.packs_tokens:  # the real rows of the [bs, q] grid
             index = [row * q + j for row, n in enumerate(new_tokens) for j in range(n)]
             logits = logits.index_select(0, torch.tensor(index, device=logits.device))
@@ -377,11 +411,15 @@ class ModelRunner:
         hooks = WarmupHooks(self._dummy, self.warm_sampler,
                             lambda: self.platform.free_memory_bytes()[0])
         logger.info("Execution mode: %s", self.graphs.description)
+        began = time.monotonic()
         with torch.inference_mode():
-            began = time.monotonic()
             if self.vision is not None and not self.warmup_config.skip:
                 self.vision.warmup()  # before run_warmup moves the counters to serving
-            seconds = time.monotonic() - began + run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+            if self.draft is not None:  # likewise: warmup ends with the counters serving
+                self.draft.warm(buckets, self._dummy)
+            seconds = run_warmup(buckets, self.graphs, hooks, self.counters, self.warmup_config)
+        if self.vision is not None or self.draft is not None:
+            seconds = time.monotonic() - began
         self._free_after_warmup = self.platform.free_memory_bytes()[0]
         return seconds
 
@@ -403,6 +441,8 @@ class ModelRunner:
             self.graphs.warm(phase, bucket, self._dummy(phase, bucket))
             if capture:
                 self.graphs.capture(phase, bucket, self._dummy(phase, bucket))
+            if self.draft is not None:  # the draft mirrors every target step's bucket
+                self.draft.warm({phase: [bucket]}, self._dummy)
         self.counters.observed.warmed(phase, bucket, time.monotonic() - began)
         self.adaptive.added(phase, bucket)
 
@@ -484,11 +524,13 @@ class ModelRunner:
                                                        self.eos_token_ids, self.platform.device))
 
     def _num_blocks(self, config: EngineConfig, loaded: LoadedModel,
-                    limits: SchedulerLimits) -> int:
+                    limits: SchedulerLimits, draft_block_bytes: int = 0) -> int:
+        """``draft_block_bytes``: a draft model's cache holds every block too."""
         cache = config.cache
         if cache.num_blocks_override is not None:
             return cache.num_blocks_override
-        per_block = loaded.config.kv_layout.bytes_per_block(cache.block_size, self.kv_dtype)
+        per_block = (loaded.config.kv_layout.bytes_per_block(cache.block_size, self.kv_dtype)
+                     + draft_block_bytes)
         per_seq = blocks_for(limits.max_model_len, cache.block_size)
         budget = self.platform.kv_cache_budget_bytes(cache)
         if self.vision is not None:  # the encoder's working memory at its largest bucket

@@ -22,9 +22,9 @@ import torch
 from server.hpu.cpu.kernels import load_cpu_kernels
 from server.hpu.cpu.layer_ops import FusedCpuLayerOps
 from server.hpu.cpu.linear import (
-    INT4_MAX_ROWS,
     Int4Codes,
     attach_int4_weights,
+    int4_max_rows,
     int4_supported,
     pack_linear_layers,
 )
@@ -35,14 +35,15 @@ logger = logging.getLogger(__name__)
 
 def prepare_model(model: torch.nn.Module, *, use_kernels: bool,
                   int4_weights: Callable[[], Mapping[str, Int4Codes]] | None,
-                  cache_dir: Path) -> TorchLayerOps:
+                  cache_dir: Path, decode_query: int = 1) -> TorchLayerOps:
     """oneDNN-packed linears; the checkpoint's 4-bit weights for small decode batches (when
-    ``int4_weights`` is given and the dtype allows); the fused kernels unless
+    ``int4_weights`` is given and the dtype allows; ``decode_query``: tokens per sequence
+    of the largest decode step, a speculative verify's k + 1); the fused kernels unless
     ``use_kernels`` is false or they cannot be built. Returns the layer ops to run."""
     dtype = next(model.parameters()).dtype
     pack_linear_layers(model)
     if int4_weights is not None and int4_supported(dtype):
-        attach_int4_weights(model, int4_weights(), INT4_MAX_ROWS, dtype)
+        attach_int4_weights(model, int4_weights(), int4_max_rows(decode_query), dtype)
     if dtype not in FusedCpuLayerOps.dtypes:
         logger.info("Fused CPU kernels serve float32 / bfloat16 only: %s runs PyTorch ops",
                     str(dtype).replace("torch.", ""))

@@ -20,7 +20,16 @@ logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 # Largest batch (rows) served from int4 codes; measured crossover, see SmallBatchInt4Linear.
+# A speculative verify step of one sequence (k + 1 rows) is served from them too, whatever k
+# (see int4_max_rows): the kernel's rows are independent, so a row's result is the same
+# bits at 1 row or 9, and a verify step scores its drafts with the plain decode's numerics.
 INT4_MAX_ROWS = 4
+
+
+def int4_max_rows(decode_query: int) -> int:
+    """Rows served from int4 codes when a decode step carries up to ``decode_query`` tokens
+    per sequence: the plain crossover, or one sequence's verify step if that is larger."""
+    return max(INT4_MAX_ROWS, decode_query)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:

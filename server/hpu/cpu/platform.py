@@ -48,13 +48,13 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: torch.nn.Module, mode: ExecutionMode, cfg: DeviceConfig,
                       int4_weights: Callable[[], Mapping[str, Any]] | None,
-                      cache_dir: Path) -> TorchLayerOps:
+                      cache_dir: Path, decode_query: int = 1) -> TorchLayerOps:
         if mode is not ExecutionMode.EAGER:
             return TorchLayerOps()  # compiled graphs use their own layouts and fusions
         from server.hpu.cpu import prepare_model
 
         return prepare_model(model, use_kernels=cfg.cpu_kernels, int4_weights=int4_weights,
-                             cache_dir=cache_dir)
+                             cache_dir=cache_dir, decode_query=decode_query)
 
 
 def cpu_plugin() -> CpuPlatform:
