@@ -71,7 +71,17 @@ class ImagePart(OpenAIModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+def _part_type(part: Any) -> str | None:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"text": "part[text]", "image_url": "part[image_url]"}.get(kind)
+
+
+# Tags spelled as pydantic spells a type ("part[text]"), so an error's param stays the
+# field's path (messages.0.content.0.text), as errors.py drops type tags from it
+ContentPart = Annotated[
+    Union[Annotated[TextPart, Tag("part[text]")], Annotated[ImagePart, Tag("part[image_url]")]],
+    Discriminator(_part_type),
+]
 
 
 class FunctionCall(OpenAIModel):

@@ -36,6 +36,7 @@ from server.models.gpt_oss import gpt_oss_tensors
 from server.models.llama import LlamaForCausalLM
 from server.models.model_class import causal_lm_class
 from server.models.quantized import dequantized
+from server.models.registry import served_as_text
 from server.models.safetensors_files import (
     safetensors_shapes,
     safetensors_slices,
@@ -120,7 +121,8 @@ def _text_config(hf: object) -> object:
     """A vision-language config's language model (its text_config, which inherits the
     checkpoint dtype when it names none); a text-only config as it is."""
     text = getattr(hf, "text_config", None)
-    if text is None or getattr(hf, "vision_config", None) is None:
+    if (text is None or getattr(hf, "vision_config", None) is None
+            or served_as_text(getattr(hf, "architectures", None))):
         return hf
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(hf, "dtype", None)

@@ -96,6 +96,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
 )}
 
 
+def served_as_text(architectures: Sequence[str] | None) -> bool:
+    """A conditional-generation checkpoint this registry serves as its text model (Llama 4):
+    its config reads the text part itself, and no vision tower is built for it."""
+    return any(a in ARCHITECTURES and ARCHITECTURES[a].text_part for a in architectures or ())
+
+
 def supported() -> str:
     return ", ".join(sorted(ARCHITECTURES))
 

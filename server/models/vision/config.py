@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from server.models.registry import served_as_text
+
 
 class VisionFamily(str, enum.Enum):
     """The vision-language families served (config.json's ``model_type``)."""
@@ -68,6 +70,8 @@ def vision_config_of(hf: Any) -> VisionConfig | None:
     if vision is None:
         return None
     architectures = getattr(hf, "architectures", None) or []
+    if served_as_text(architectures):
+        return None  # served as its text model (Llama 4): the tower is skipped at load
     family = next((VISION_ARCHITECTURES[a] for a in architectures
                    if a in VISION_ARCHITECTURES), None)
     if family is None and getattr(hf, "model_type", None) == "llava":
