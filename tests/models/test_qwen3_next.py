@@ -4,6 +4,8 @@ experts) against transformers' own implementation on the same tiny random weight
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -113,7 +115,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
 
 
 @pytest.mark.slow
-def test_engine_greedy_tokens_match_transformers(tiny_model_factory, capfd) -> None:
+def test_engine_greedy_tokens_match_transformers(tiny_model_factory, caplog) -> None:
     """Through the engine (eager): prompts of several blocks and one past a delta-rule
     chunk, batched; prefix caching asked for and logged off; the state cache logged; every
     slot and block back in the pools at the end."""
@@ -121,9 +123,17 @@ def test_engine_greedy_tokens_match_transformers(tiny_model_factory, capfd) -> N
     from server import SamplingParams as Params
 
     folder, hf_model, _ = tiny_model_factory(**QWEN3_NEXT)
-    llm = LLM(folder, dtype="float32", block_size=BLOCK, max_num_seqs=4, max_model_len=256,
-              enable_prefix_caching=True)
-    log = capfd.readouterr().err  # the engine logs to stderr
+    # read from the logger itself: stderr is whatever stream the process's first logging
+    # set-up saw (another test file's capture, on a worker shared with it)
+    plan_log = logging.getLogger("server.engine.worker.state_plan")
+    plan_log.addHandler(caplog.handler)  # LLM() stops server.* propagating to the root
+    caplog.set_level(logging.INFO, logger=plan_log.name)
+    try:
+        llm = LLM(folder, dtype="float32", block_size=BLOCK, max_num_seqs=4,
+                  max_model_len=256, enable_prefix_caching=True)
+    finally:
+        plan_log.removeHandler(caplog.handler)
+    log = caplog.text
     assert "Prefix caching: off for this hybrid model" in log
     assert "State cache: 4 slots (max_num_seqs) + 1 padding slot, 3 linear-attention" in log
     engine = llm.engine
