@@ -73,6 +73,8 @@ class ImagePart(OpenAIModel):
 
 def _part_type(part: Any) -> str | None:
     kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    if not isinstance(kind, str):  # a list or object as "type": no member matches
+        return None
     return {"text": "part[text]", "image_url": "part[image_url]"}.get(kind)
 
 

@@ -56,6 +56,16 @@ def test_lone_surrogates_are_400_naming_the_field(server, path: str, body: str,
     assert alive(server)
 
 
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_a_content_part_whose_type_is_not_a_string_is_400(server, path: str) -> None:
+    """The content-part union reads its member from "type": a list there is a 400, not a
+    500 (found by the schema fuzzer)."""
+    resp = raw(server, path, '{"messages": [{"role": "user", "content": '
+                             '[{"type": [{}], "text": true}]}]}')
+    assert resp.status_code == 400, resp.text
+    assert alive(server)
+
+
 def test_nul_is_text_like_any_other(server) -> None:
     resp = raw(server, CHAT, '{"messages": [{"role": "user", "content": "a\\u0000b"}], '
                              '"max_tokens": 2, "stop": ["\\u0000"]}')
