@@ -58,6 +58,15 @@ _SUCCESS: Mapping[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]
         "type": "object"}}}),
     ("get", "/v1/responses/{response_id}"): (ResponseObject, {}),
     ("post", "/v1/responses/{response_id}/cancel"): (ResponseObject, {}),
+    # SageMaker's route answers as the chat or completions route it dispatches to: JSON,
+    # or with "stream": true their event streams
+    ("post", "/invocations"): (None, {
+        "application/json": {"schema": {"anyOf": [
+            {"$ref": _REF.format(model=m.__name__)}
+            for m in (ChatCompletionResponse, CompletionResponse)]}},
+        "text/event-stream": {"schema": {"anyOf": [
+            _sse(ChatCompletionChunk)["text/event-stream"]["schema"],
+            _sse(CompletionResponse)["text/event-stream"]["schema"]]}}}),
     ("get", "/health"): (HealthResponse, {}),
     ("get", "/ping"): (HealthResponse, {}),
     ("post", "/ping"): (HealthResponse, {}),
