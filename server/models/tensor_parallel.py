@@ -379,12 +379,16 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.parallel.all_reduce(out)
 
 
-class TensorParallelCausalLM(LlamaForCausalLM):
-    """``LlamaForCausalLM`` on one rank's slices, with the all-reduces and the logits
-    gather in place. Built from the rank's config (:meth:`ShardPlan.rank_config`)."""
+class _RankSlices:
+    """A decoder on one rank's slices, with the all-reduces and the logits gather in place.
+    Built from the rank's config (:meth:`ShardPlan.rank_config`); mixed in before the
+    family's decoder class, whose sublayers named ``_reduced`` end in a row-parallel
+    projection."""
+
+    _reduced: tuple[str, ...] = ("self_attn", "mlp")
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, parallel: ParallelContext) -> None:
-        super().__init__(replace(cfg, vocab_size=plan.vocab_per_rank))
+        super().__init__(replace(cfg, vocab_size=plan.vocab_per_rank))  # type: ignore[call-arg]
         self.config = cfg  # the whole vocabulary: the width of compute_logits' result
         self.parallel = parallel
         self.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, cfg.hidden_size,
@@ -394,8 +398,8 @@ class TensorParallelCausalLM(LlamaForCausalLM):
         # Hooks on the sublayers rather than on o_proj / down_proj themselves: platforms
         # swap linears for packed or quantized ones, which would drop a hook.
         for layer in self.layers:
-            layer.self_attn.register_forward_hook(self._reduce_output)
-            layer.mlp.register_forward_hook(self._reduce_output)
+            for name in self._reduced:
+                getattr(layer, name).register_forward_hook(self._reduce_output)
 
     def _reduce_output(self, module: nn.Module, args: object, output: torch.Tensor
                        ) -> torch.Tensor:
@@ -405,34 +409,19 @@ class TensorParallelCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Every rank's vocabulary slice (scaling and soft caps are elementwise, so they
         commute with the gather), concatenated and trimmed to the real vocabulary."""
-        local = super().compute_logits(hidden)
+        local = super().compute_logits(hidden)  # type: ignore[misc]
         return self.parallel.all_gather_last_dim(local)[..., : self.config.vocab_size]
 
 
-class TensorParallelQwen3Next(Qwen3NextForCausalLM):
-    """``Qwen3NextForCausalLM`` on one rank's slices: as :class:`TensorParallelCausalLM`,
-    the token mixers (linear or full attention) and MLPs all-reduce their outputs."""
+class TensorParallelCausalLM(_RankSlices, LlamaForCausalLM):
+    """``LlamaForCausalLM`` on one rank's slices."""
 
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, parallel: ParallelContext) -> None:
-        super().__init__(replace(cfg, vocab_size=plan.vocab_per_rank))
-        self.config = cfg
-        self.parallel = parallel
-        self.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, cfg.hidden_size,
-                                                   plan.vocab_start, parallel)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        for layer in self.layers:
-            layer.mixer.register_forward_hook(self._reduce_output)
-            layer.mlp.register_forward_hook(self._reduce_output)
 
-    def _reduce_output(self, module: nn.Module, args: object, output: torch.Tensor
-                       ) -> torch.Tensor:
-        del module, args
-        return self.parallel.all_reduce(output)
+class TensorParallelQwen3Next(_RankSlices, Qwen3NextForCausalLM):
+    """``Qwen3NextForCausalLM`` on one rank's slices: its token mixers (linear or full
+    attention) and MLPs all-reduce their outputs."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = Qwen3NextForCausalLM.compute_logits(self, hidden)
-        return self.parallel.all_gather_last_dim(local)[..., : self.config.vocab_size]
+    _reduced = ("mixer", "mlp")
 
 
 def build_model(cfg: ModelConfig, parallel: ParallelContext
