@@ -128,3 +128,48 @@ def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str
         return cache[kind]
 
     return make
+
+
+# vLLM's --hf-overrides for the original Qwen3-Reranker checkpoints
+QWEN3_RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
+                            "classifier_from_token": ["no", "yes"],
+                            "is_original_qwen3_reranker": True}
+
+
+def save_qwen3_lm(folder: Path, tie: bool, seed: int = 2) -> None:
+    """A random ``Qwen3ForCausalLM`` (as Qwen3-Reranker ships) whose tokenizer has "yes"
+    and "no" tokens; ``tie``: the LM head is the embedding table (Qwen3-Reranker-0.6B)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.add_tokens(["yes", "no"])
+    tok.pad_token = "<unk>"
+    cfg = tf.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=1024, tie_word_embeddings=tie,
+                         pad_token_id=tok.pad_token_id)
+    model = tf.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random norms, so a skipped or swapped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def qwen3_lm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool], str]:
+    """Builds (once per ``tie``) a random Qwen3 causal LM with yes/no tokens."""
+    cache: dict[bool, str] = {}
+
+    def make(tie: bool = True) -> str:
+        if tie not in cache:
+            root = tmp_path_factory.mktemp(f"qwen3-lm-{'tied' if tie else 'untied'}")
+            save_qwen3_lm(root, tie)
+            cache[tie] = str(root)
+        return cache[tie]
+
+    return make
