@@ -29,6 +29,7 @@ from server.hpu.counters import DeviceCounters
 from server.hpu.platform import detect_platform
 from server.models.encoders.bert import BertEncoder
 from server.models.encoders.load import load_pooling_model
+from server.models.encoders.modernbert import ModernBertEncoder
 from server.models.loader import resolve_model_source
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class PoolingEngine:
         if mode is ExecutionMode.GRAPHS:
             mode = ExecutionMode.COMPILE
         if (mode is ExecutionMode.EAGER and platform.device.type == "cpu"
-                and isinstance(self.loaded.model, BertEncoder)):
+                and isinstance(self.loaded.model, (BertEncoder, ModernBertEncoder))):
             # inductor packs weights itself when it freezes a graph: only eager needs this
             self.loaded.model.pack_for_cpu()
         self.counters = DeviceCounters(self.model_name)

@@ -17,6 +17,7 @@ from torch import nn
 
 from server.models.encoders.bert import BertConfig, BertEncoder
 from server.models.encoders.decoder import FAMILIES, DecoderConfig, DecoderEncoder
+from server.models.encoders.modernbert import ModernBertConfig, ModernBertEncoder
 from server.models.encoders.st_folder import (
     PoolingType,
     SentenceTransformerSpec,
@@ -30,8 +31,9 @@ logger = logging.getLogger(__name__)
 
 _ENCODERS = {"bert": False, "xlm-roberta": True, "roberta": True}
 # base models without an LM head: what vLLM serves as embedders when they are named
-_EMBEDDER_ARCHS = ("BertModel", "XLMRobertaModel", "RobertaModel", "LlamaModel",
-                   "MistralModel", "Qwen2Model", "Qwen3Model")
+_EMBEDDER_ARCHS = ("BertModel", "XLMRobertaModel", "RobertaModel", "ModernBertModel",
+                   "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+_MODERNBERT = "modernbert"
 
 
 def _config_json(folder: str) -> dict[str, object]:
@@ -61,10 +63,11 @@ def checkpoint_pools(folder: str, overrides: Mapping[str, Any] | None = None) ->
 class LoadedPoolingModel:
     """A pooling model, its settings, and how it reads its input."""
 
-    model: BertEncoder | DecoderEncoder
+    model: BertEncoder | ModernBertEncoder | DecoderEncoder
     classify: bool  # the checkpoint has (or was converted to) a class head
     num_labels: int
     pooling: PoolingType  # how token states become the embedding
+    head_pooling: PoolingType  # which states the class head reads (CLS, LAST or MEAN)
     normalize: bool  # embeddings are L2-normalized by default
     st: SentenceTransformerSpec
     max_tokens: int  # the position table's length
@@ -112,21 +115,28 @@ def load_pooling_model(folder: str, dtype: torch.dtype, device: torch.device,
                          "classifier_from_token, as for Qwen3-Reranker)")
     token_head = token_head if classify else None
     st = read_sentence_transformer(folder)
-    model: BertEncoder | DecoderEncoder
+    model: BertEncoder | ModernBertEncoder | DecoderEncoder
     if hf.model_type in _ENCODERS:
         roberta = _ENCODERS[hf.model_type]
         cfg = BertConfig.from_hf(hf, roberta)
         with torch.device("meta"):
             model = BertEncoder(cfg, roberta, classify)
-        pooling, bidirectional = PoolingType.CLS, True
+        pooling = head_pooling = PoolingType.CLS
+        bidirectional = True
+    elif hf.model_type == _MODERNBERT:
+        mcfg = ModernBertConfig.from_hf(hf)
+        with torch.device("meta"):
+            model = ModernBertEncoder(mcfg, classify)
+        pooling, head_pooling, bidirectional = PoolingType.CLS, mcfg.classifier_pooling, True
     elif hf.model_type in FAMILIES:
         dcfg = DecoderConfig.from_hf(hf)
         with torch.device("meta"):
             model = DecoderEncoder(dcfg, classify)
-        pooling, bidirectional = PoolingType.LAST, False
+        pooling = head_pooling = PoolingType.LAST
+        bidirectional = False
     else:
         raise ValueError(f"model_type {hf.model_type!r} cannot be served as a pooling model "
-                         f"(supported: {', '.join([*_ENCODERS, *FAMILIES])})")
+                         f"(supported: {', '.join([*_ENCODERS, _MODERNBERT, *FAMILIES])})")
     model.to_empty(device=device)
     if isinstance(model, DecoderEncoder):
         model.build_rotary(device)
@@ -154,7 +164,7 @@ def load_pooling_model(folder: str, dtype: torch.dtype, device: torch.device,
                 folder, type(model).__name__, head,
                 num_bytes / 2**20, str(dtype).replace("torch.", ""), seconds)
     return LoadedPoolingModel(
-        model, classify, getattr(hf, "num_labels", 2), st.pooling or pooling,
+        model, classify, getattr(hf, "num_labels", 2), st.pooling or pooling, head_pooling,
         st.normalize if st.found else True, st, model.cfg.max_tokens, bidirectional,
         not _use_sep_token(hf, token_head), dtype, matryoshka, num_bytes, seconds)
 
@@ -174,7 +184,7 @@ def _fill(model: nn.Module, folder: Path, classify: bool,
           token_head: bool) -> torch.Tensor | None:
     """Copies every checkpoint tensor into the module of the same name; every parameter must
     be filled, and a tensor with no module is an error unless it belongs to a head this
-    model does not run (an MLM head, BERT's pooler when not classifying). With
+    model does not run (an MLM head, a pooler or class head when not classifying). With
     ``token_head`` the score head is made from the LM head afterwards: its tensor is
     returned (None: tied to the embeddings)."""
     params = dict(model.named_parameters())
@@ -189,7 +199,8 @@ def _fill(model: nn.Module, folder: Path, classify: bool,
             continue
         target = params.get(name)
         if target is None:
-            if not classify and name.startswith(("pooler.", "classifier.", "score.")):
+            if not classify and name.startswith(("pooler.", "classifier.", "score.",
+                                                 "head_block.")):
                 continue
             raise model_file_error(folder, f"tensor {key} belongs to no layer of the model")
         if tuple(target.shape) != tuple(tensor.shape):
