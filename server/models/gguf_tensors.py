@@ -47,12 +47,48 @@ _BLOCK_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "exp_probs_b": "mlp.e_score_correction_bias",  # DeepSeek-V3's router bias
+    "attn_sinks": "self_attn.sinks",  # gpt-oss
 }
+# Tensors that are a parameter of ours rather than a module's weight or bias, or a module's
+# weight under another name: (llama.cpp part, kind) -> our name under layers.N
+_PARAMETER_NAMES = {
+    ("ffn_gate_up_exps", "weight"): "mlp.experts.gate_up_proj",
+    ("ffn_down_exps", "weight"): "mlp.experts.down_proj",
+    ("ffn_down_exps", "bias"): "mlp.b_down",  # gpt-oss's expert biases
+    ("exp_probs_b", "bias"): "mlp.e_score_correction_bias",
+    ("attn_sinks", "weight"): "self_attn.sinks",
+}
+# Two llama.cpp tensors that make one of ours, joined once both were read: (first part,
+# kind) -> (second part, our name under layers.N)
+_JOINED = {
+    # experts [E, I, H] each -> gate rows then up rows; gpt-oss's biases [E, I] likewise
+    ("ffn_gate_exps", "weight"): ("ffn_up_exps", "mlp.experts.gate_up_proj"),
+    ("ffn_gate_exps", "bias"): ("ffn_up_exps", "mlp.b_gate_up"),
+    # DeepSeek's kv_b_proj as newer converters split it for llama.cpp's absorbed attention
+    ("attn_k_b", "weight"): ("attn_v_b", "self_attn.kv_b_proj.weight"),
+}
+_SECOND = {(second, kind): first for (first, kind), (second, _) in _JOINED.items()}
 # Gemma 2 / 3's four norms: llama.cpp's ffn_norm is the pre-MLP norm, and the
 # post-attention norm (applied to the attention output) has a name of its own
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm",
                 "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# DeepSeek's latent attention (its kv_b_proj whole in older files, split in newer ones) and
+# shared experts
+_DEEPSEEK = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 # Where a family's converter reuses a name for another module
 _FAMILY_BLOCK_NAMES = {
     "gemma2": _GEMMA_NORMS,
@@ -63,6 +99,10 @@ _FAMILY_BLOCK_NAMES = {
     "llama4_text": {"ffn_gate_shexp": "mlp.shared_expert.gate_proj",
                     "ffn_up_shexp": "mlp.shared_expert.up_proj",
                     "ffn_down_shexp": "mlp.shared_expert.down_proj"},
+    "deepseek_v2": _DEEPSEEK,
+    "deepseek_v3": _DEEPSEEK,
+    # gpt-oss's pre-MLP norm
+    "gpt_oss": {"post_attention_norm": "post_attention_layernorm"},
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -117,7 +157,7 @@ def dequantized_tensors(reader: Any, cfg: ModelConfig, meta: bool = False,
     import gguf
 
     names = block_names(cfg)
-    pending: dict[tuple[int, str], torch.Tensor] = {}  # one half of a layer's gate/up
+    pending: dict[tuple[int, str, str], torch.Tensor] = {}  # one of a pair (_JOINED)
     # disable=None: no bar unless stderr is a terminal (a log file or pipeline gets none)
     tensors = reader.tensors if meta else tqdm(reader.tensors, desc="Dequantizing GGUF",
                                                unit="tensor", leave=False, disable=None)
@@ -137,21 +177,31 @@ def dequantized_tensors(reader: Any, cfg: ModelConfig, meta: bool = False,
         heads = q_or_k_heads(part, cfg)
         if heads is not None and kind == "weight":
             weights = unpermute(weights, heads)
-        if part in ("ffn_gate_exps", "ffn_up_exps"):
-            other = pending.pop((layer, "ffn_up_exps" if part == "ffn_gate_exps"
-                                 else "ffn_gate_exps"), None)
+        if (part, kind) in _PARAMETER_NAMES:
+            name = f"layers.{layer}.{_PARAMETER_NAMES[(part, kind)]}"
+        first = part if (part, kind) in _JOINED else _SECOND.get((part, kind))
+        if first is not None:
+            second, joined = _JOINED[(first, kind)]
+            other = pending.pop((layer, second if part == first else first, kind), None)
             if other is None:
-                pending[(layer, part)] = weights
+                pending[(layer, part, kind)] = weights
                 continue
-            gate, up = (weights, other) if part == "ffn_gate_exps" else (other, weights)
-            weights = torch.cat([gate, up], dim=1)
-            name = f"layers.{layer}.mlp.experts.gate_up_proj"
-        elif part in ("ffn_gate_up_exps", "ffn_down_exps"):
-            name = name.removesuffix(".weight")
+            weights = _join(first, *((weights, other) if part == first else (other, weights)))
+            name = f"layers.{layer}.{joined}"
         if origin is not None:
             origin[name] = t.name
         yield name, weights
     if pending:
         path = getattr(getattr(reader, "data", None), "filename", None) or "GGUF file"
-        raise model_file_error(path, "expert tensors without their other half (gate or up): "
-                               f"{sorted(pending)}")
+        raise model_file_error(path, "tensors without the other of their pair (gate or up "
+                               f"of experts, k_b or v_b): {sorted(pending)}")
+
+
+def _join(first: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A _JOINED pair as one tensor. DeepSeek's ``attn_k_b [H, r, dn]`` (stored transposed
+    for llama.cpp's absorbed attention) and ``attn_v_b [H, dv, r]`` -> ``kv_b_proj [H * (dn +
+    dv), r]``, each head's key rows then value rows; the others stacked along dim 1 (gate
+    then up)."""
+    if first == "attn_k_b":
+        return torch.cat([a.transpose(1, 2), b], dim=1).flatten(0, 1)
+    return torch.cat([a, b], dim=1)
