@@ -1,6 +1,8 @@
 """The GGUF header of the frontier families, as llama.cpp's converter writes them:
 "deepseek2" (DeepSeek-V2 and V3: latent attention, grouped routing, shared experts) and
-"gpt-oss" (sinks, alternating windows, biased experts with the clamped SwiGLU).
+"gpt-oss" (sinks, alternating windows, biased experts with the clamped SwiGLU) and
+"qwen3next" (Gated DeltaNet layers beside gated full attention, routed plus shared
+experts).
 
 Each reader returns the ModelConfig fields that replace the Llama readings of gguf.py, from
 the same keys and values llama.cpp reads; where llama.cpp fixes a value in its code instead
@@ -13,6 +15,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Protocol
 
+from server.models.config import LinearAttentionSpec
 from server.models.deepseek_config import deepseek_settings
 
 # gguf's ExpertGatingFuncType: how the router scores experts
@@ -121,4 +124,26 @@ def gpt_oss_fields(h: Header, fields: dict[str, Any]) -> dict[str, Any]:
         sliding_layers=windowed if fields["sliding_window"] else None,
         rope_scaling=rope_scaling,
         attn_sinks=True, moe_bias=True, swiglu_limit=limit, swiglu_alpha=alpha,
+    )
+
+
+def qwen3next_fields(h: Header, fields: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """Qwen3-Next from a "qwen3next" header: the delta rule's sizes in the ``ssm.*`` keys
+    (key heads as the group count, value heads as the time-step rank, the key head size as
+    the state size, all value heads' width as the inner size), the linear layers those with
+    an ``ssm_a`` tensor; the shared expert's width; the full attention's output gate (its
+    q rows hold it, as in the checkpoint). The file keeps q/k/v and z apart: the layers
+    read them as split projections (gguf_tensors.py)."""
+    value_heads = int(h("ssm.time_step_rank"))
+    return dict(
+        linear_layers=tuple(i for i in range(fields["num_layers"])
+                            if f"blk.{i}.ssm_a" in names),
+        linear_attention=LinearAttentionSpec(
+            num_key_heads=int(h("ssm.group_count")), num_value_heads=value_heads,
+            key_head_dim=int(h("ssm.state_size")),
+            value_head_dim=int(h("ssm.inner_size")) // value_heads,
+            conv_kernel=int(h("ssm.conv_kernel")), split_projections=True),
+        shared_expert_intermediate_size=int(h("expert_shared_feed_forward_length") or 0),
+        attn_output_gate=True,
+        qk_norm=any(n.endswith(".attn_q_norm.weight") for n in names),
     )

@@ -58,6 +58,8 @@ _PARAMETER_NAMES = {
     ("ffn_down_exps", "bias"): "mlp.b_down",  # gpt-oss's expert biases
     ("exp_probs_b", "bias"): "mlp.e_score_correction_bias",
     ("attn_sinks", "weight"): "self_attn.sinks",
+    ("ssm_a", ""): "linear_attn.A_log",  # Qwen3-Next: stored as -exp(A_log), no suffix
+    ("ssm_dt", "bias"): "linear_attn.dt_bias",
 }
 # Two llama.cpp tensors that make one of ours, joined once both were read: (first part,
 # kind) -> (second part, our name under layers.N)
@@ -89,6 +91,26 @@ _DEEPSEEK = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# Qwen3-Next: the Gated DeltaNet layers as llama.cpp keeps them, q/k/v (rows q, k, v of
+# all heads) and z apart as Qwen3.5's projections are (the config says split projections);
+# b and a still grouped per key head in ssm_ba (split in _hybrid_pieces)
+_QWEN3_NEXT = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# the zero-centred (1 + w) norms, which llama.cpp's converter stores as 1 + w
+_QWEN3_NEXT_NORMS = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm")
 # Where a family's converter reuses a name for another module
 _FAMILY_BLOCK_NAMES = {
     "gemma2": _GEMMA_NORMS,
@@ -103,8 +125,9 @@ _FAMILY_BLOCK_NAMES = {
     "deepseek_v3": _DEEPSEEK,
     # gpt-oss's pre-MLP norm
     "gpt_oss": {"post_attention_norm": "post_attention_layernorm"},
+    "qwen3_next": _QWEN3_NEXT,
 }
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?$")
 
 
 def block_names(cfg: ModelConfig) -> dict[str, str]:
@@ -112,12 +135,13 @@ def block_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 def parse_block_tensor(name: str, names: dict[str, str]) -> tuple[int, str, str, str] | None:
-    """``blk.3.attn_q.weight`` -> (3, "attn_q", HF module, "weight"); None for others."""
+    """``blk.3.attn_q.weight`` -> (3, "attn_q", HF module, "weight"); the kind is "" for a
+    tensor without suffix (``blk.3.ssm_a``); None for others."""
     match = _BLOCK_TENSOR.match(name)
     if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return int(layer), part, names[part], kind
+    return int(layer), part, names[part], kind or ""
 
 
 def _unpermutes(cfg: ModelConfig) -> bool:
@@ -188,9 +212,11 @@ def dequantized_tensors(reader: Any, cfg: ModelConfig, meta: bool = False,
                 continue
             weights = _join(first, *((weights, other) if part == first else (other, weights)))
             name = f"layers.{layer}.{joined}"
-        if origin is not None:
-            origin[name] = t.name
-        yield name, weights
+        for name, weights in (_hybrid_pieces(part, name, weights, cfg) if cfg.is_hybrid
+                              else [(name, weights)]):
+            if origin is not None:
+                origin[name] = t.name
+            yield name, weights
     if pending:
         path = getattr(getattr(reader, "data", None), "filename", None) or "GGUF file"
         raise model_file_error(path, "tensors without the other of their pair (gate or up "
@@ -205,3 +231,26 @@ def _join(first: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if first == "attn_k_b":
         return torch.cat([a.transpose(1, 2), b], dim=1).flatten(0, 1)
     return torch.cat([a, b], dim=1)
+
+
+def _hybrid_pieces(part: str, name: str, weights: torch.Tensor, cfg: ModelConfig
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """A Qwen3-Next tensor as llama.cpp's converter changed it, back in the checkpoint's
+    terms: ``ssm_a`` holds ``-exp(A_log)``; the convolution taps ``[C, K]`` lost the
+    checkpoint's middle axis; the zero-centred norms hold ``1 + w`` (all but the delta
+    rule's own gated norm); ``ssm_ba``'s rows are each key head's b rows then its a rows,
+    split into ``in_proj_b`` / ``in_proj_a`` (value heads in order)."""
+    if part == "ssm_a":
+        return [(name, torch.log(-weights))]
+    if part == "ssm_conv1d":
+        return [(name, weights.unsqueeze(1))]
+    if part in _QWEN3_NEXT_NORMS or name == "norm.weight":
+        return [(name, weights - 1)]
+    if part == "ssm_ba":
+        assert cfg.linear_attention is not None
+        b, a = weights.view(cfg.linear_attention.num_key_heads, 2, -1,
+                            weights.shape[-1]).unbind(1)
+        prefix = name.removesuffix("in_proj_ba.weight")
+        return [(f"{prefix}in_proj_b.weight", b.flatten(0, 1)),
+                (f"{prefix}in_proj_a.weight", a.flatten(0, 1))]
+    return [(name, weights)]

@@ -85,9 +85,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  llama4=True),
     Architecture("Llama4ForConditionalGeneration", "llama4", None, gguf_permuted_qk=False,
                  moe=True, llama4=True, text_part=True),
-    # llama.cpp's "qwen3next" files are not read (no GGUF name: refused as unsupported)
-    Architecture("Qwen3NextForCausalLM", "qwen3_next", None, qk_norm=True, moe=True,
-                 hybrid=True),
+    # llama.cpp's "qwen3next" (its q/k rows as they are); its "qwen35" / "qwen35moe" files
+    # are not read (no GGUF name below: refused as unsupported)
+    Architecture("Qwen3NextForCausalLM", "qwen3_next", "qwen3next", qk_norm=True, moe=True,
+                 hybrid=True, gguf_permuted_qk=False),
     # Qwen3.5's text models: Qwen3-Next's layers (text positions make its M-RoPE plain
     # RoPE), dense MLPs, or experts with a shared expert and always renormalised top-k
     Architecture("Qwen3_5ForCausalLM", "qwen3_5_text", None, qk_norm=True, hybrid=True,

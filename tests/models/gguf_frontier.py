@@ -209,3 +209,77 @@ def _expert_tensors(writer, blk: str, rest: str, array: np.ndarray,  # noqa: ANN
     else:  # gate and up rows interleaved
         add(f"{blk}.ffn_gate_exps.weight", rows[:, ::2])
         add(f"{blk}.ffn_up_exps.weight", rows[:, 1::2])
+
+
+_QWEN3_NEXT = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "linear_attn.in_proj_ba": "ssm_ba",
+    "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
+
+
+def write_qwen3next_gguf(path: Path, hf_model: torch.nn.Module, tokenizer=None
+                         ) -> None:  # noqa: ANN001
+    """Qwen3-Next as llama.cpp's converter writes it: the delta rule's sizes as ``ssm.*``
+    keys; ``in_proj_qkvz`` (rows grouped per key head: q, k, its value heads' v, then z)
+    regrouped into ``attn_qkv`` (q of all heads, k, v) and ``attn_gate`` (z), ``in_proj_ba``
+    as it is (``ssm_ba``); ``A_log`` stored as ``-exp(A_log)`` (``ssm_a``, no suffix),
+    ``dt_bias`` as ``ssm_dt.bias``, the convolution taps squeezed to ``[C, K]``; every norm
+    but the delta rule's own stored as ``1 + w``; the pre-MLP norm as
+    ``post_attention_norm``; experts stacked."""
+    import gguf
+
+    cfg = hf_model.config
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    writer = gguf.GGUFWriter(str(path), "qwen3next")
+    _common_header(writer, cfg, tokenizer)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(hk)
+    writer.add_ssm_time_step_rank(hv)
+    writer.add_ssm_inner_size(dv * hv)
+    writer.add_full_attention_interval(4)
+    partial = cfg.rope_parameters.get("partial_rotary_factor", 0.25)
+    writer.add_rope_dimension_count(int(cfg.head_dim * partial))
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.float().numpy()
+        if name in _TOP:
+            writer.add_tensor(_TOP[name], array + 1 if name == "model.norm.weight" else array)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        blk = f"blk.{layer}"
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            gate, up = np.split(array, 2, axis=1)
+            writer.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(up))
+        elif rest == "mlp.experts.down_proj":
+            writer.add_tensor(f"{blk}.ffn_down_exps.weight", array)
+        elif rest == "linear_attn.A_log":
+            writer.add_tensor(f"{blk}.ssm_a", -np.exp(array))
+        elif rest == "linear_attn.dt_bias":
+            writer.add_tensor(f"{blk}.ssm_dt.bias", array)
+        elif rest == "linear_attn.conv1d.weight":
+            writer.add_tensor(f"{blk}.ssm_conv1d.weight", np.ascontiguousarray(array[:, 0]))
+        elif rest == "linear_attn.in_proj_qkvz.weight":
+            grouped = array.reshape(hk, -1, array.shape[-1])
+            q, k, v, z = np.split(grouped, np.cumsum([dk, dk, hv // hk * dv]), axis=1)
+            flat = [part.reshape(-1, array.shape[-1]) for part in (q, k, v, z)]
+            writer.add_tensor(f"{blk}.attn_qkv.weight", np.concatenate(flat[:3]))
+            writer.add_tensor(f"{blk}.attn_gate.weight", np.ascontiguousarray(flat[3]))
+        else:
+            module, kind = rest.rsplit(".", 1)
+            offset = 1 if module.endswith("norm") and module != "linear_attn.norm" else 0
+            writer.add_tensor(f"{blk}.{_QWEN3_NEXT[module]}.{kind}", array + offset)
+    _close(writer)

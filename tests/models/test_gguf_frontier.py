@@ -1,5 +1,5 @@
 """GGUF files of the frontier families as llama.cpp's converter writes them ("deepseek2",
-"gpt-oss"), built here from tiny random transformers models: the config read from the
+"gpt-oss", "qwen3next"), built here from tiny random transformers models: the config read from the
 header equals the one read from the same model's config.json, and the logits and greedy
 tokens are transformers' on the same weights (F32; gpt-oss's experts also as MXFP4 blocks
 repacked from a checkpoint's own). One request of each family is served over HTTP from the
@@ -13,10 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_frontier import mxfp4_gguf_blocks, write_deepseek2_gguf, write_gpt_oss_gguf
+from gguf_frontier import (
+    mxfp4_gguf_blocks,
+    write_deepseek2_gguf,
+    write_gpt_oss_gguf,
+    write_qwen3next_gguf,
+)
 from test_gguf_families import assert_matches
 from test_gpt_oss import CASE as GPT_OSS
 from test_gpt_oss import _mxfp4_checkpoint
+from test_qwen3_next import QWEN3_NEXT
+from test_qwen3_next import assert_logits_match as assert_hybrid_matches
 
 from server.models.errors import ModelFileError
 from server.models.loader import load_model, load_model_config, resolve_model_source
@@ -32,7 +39,7 @@ V2 = dict(model_type="deepseek_v2", tie=False, rope_scaling=DEEPSEEK_YARN)
 # only; the tiny config's MTP layer has no weights), or carries rounded to float32, or
 # in llama.cpp's terms (YaRN: the RoPE tables are compared by the logits)
 _NOT_IN_THE_HEADER = {"checkpoint_dtype", "eos_token_ids", "mtp_layers", "rms_norm_eps",
-                      "rope_scaling", "mla"}
+                      "rope_scaling", "mla", "linear_attention"}
 
 
 def _folder(tmp_path: Path, name: str) -> Path:
@@ -142,11 +149,30 @@ def test_mxfp4_blocks_dequantize_by_the_format() -> None:
     np.testing.assert_array_equal(theirs, mxfp4_dequantize(blocks, scales).numpy())
 
 
+# Qwen3-Next ("qwen3next")
+
+
+def test_qwen3next_matches_transformers(tiny_model_factory, tmp_path) -> None:
+    """Gated DeltaNet layers from llama.cpp's regrouped q/k/v and z, b and a still grouped
+    per key head, -exp(A_log), squeezed convolution taps, (1 + w) norms; gated full
+    attention with partial RoPE; routed plus gated shared experts: transformers' logits
+    over a 70-token prompt (two chunks of the delta rule) and decode steps on the states."""
+    hf_folder, hf_model = tiny_model_factory(**QWEN3_NEXT)[:2]
+    folder = _folder(tmp_path, "qwen3next")
+    write_qwen3next_gguf(folder / "tiny.gguf", hf_model)
+    assert_same_config(hf_folder, str(folder))
+    ours = load_model_config(resolve_model_source(str(folder))).linear_attention
+    ref = load_model_config(resolve_model_source(hf_folder)).linear_attention
+    # the file keeps q/k/v and z apart: read as split projections, the sizes the same
+    assert ours == dataclasses.replace(ref, split_projections=True)
+    assert_hybrid_matches(str(folder), hf_model)
+
+
 # over HTTP, from the GGUF file alone
 
 
 @pytest.mark.slow  # a server process each
-@pytest.mark.parametrize("family", ["deepseek2", "gpt-oss"])
+@pytest.mark.parametrize("family", ["deepseek2", "gpt-oss", "qwen3next"])
 def test_served_from_the_gguf_file(tiny_model_factory, tmp_path, family: str) -> None:
     """The file with its vocabulary (transformers reads no deepseek2 config: the tokenizer
     comes from the vocabulary alone) serves a completion whose greedy text, detokenized by
@@ -155,8 +181,9 @@ def test_served_from_the_gguf_file(tiny_model_factory, tmp_path, family: str) ->
     from server_process import MODEL_NAME, TINY_FLAGS, start_server
     from test_sliding_window import hf_greedy
 
-    case, write = ((V3, write_deepseek2_gguf) if family == "deepseek2"
-                   else (GPT_OSS, write_gpt_oss_gguf))
+    case, write = {"deepseek2": (V3, write_deepseek2_gguf),
+                   "gpt-oss": (GPT_OSS, write_gpt_oss_gguf),
+                   "qwen3next": (QWEN3_NEXT, write_qwen3next_gguf)}[family]
     _, hf_model, tokenizer = tiny_model_factory(**case)
     path = _folder(tmp_path, family) / "tiny.gguf"
     write(path, hf_model, tokenizer=tokenizer)
