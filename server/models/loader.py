@@ -203,7 +203,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
                    else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
         if vision_cfg is not None:  # the vision tower's tensors kept aside
             tensors = split.text(tensors)
-        tensors = _canonical(tensors, cfg)
+        tensors = _canonical(tensors, cfg, gguf=reader is not None)
         if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
             # gpt-oss's interleaved experts)
             tensors = plan.shard(tensors)
@@ -293,18 +293,20 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
         split = VisionSplit()
         if vision_cfg is not None:
             tensors = split.text(tensors)
-        load_into(model, _canonical(tensors, cfg), origin, dry_run=True)
+        load_into(model, _canonical(tensors, cfg, gguf=reader is not None), origin,
+                  dry_run=True)
         if vision_cfg is not None:
             load_vision(build_vision(vision_cfg), split.vision, source.folder, dry_run=True)
 
 
-def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
-               ) -> Iterator[tuple[str, torch.Tensor]]:
+def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig,
+               gguf: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole checkpoint tensors as the loader names and lays them out: quantized layers
-    dequantized, gpt-oss's router and experts mapped (gpt_oss.py)."""
+    dequantized, gpt-oss's router and experts mapped (gpt_oss.py). A GGUF file's tensors
+    come named and laid out so already (gguf_tensors.py)."""
     if cfg.quant is not None:
         tensors = dequantized(tensors, cfg.quant)
-    if cfg.model_type == "gpt_oss":
+    if cfg.model_type == "gpt_oss" and not gguf:
         tensors = gpt_oss_tensors(tensors, dequantized=cfg.quant is not None)
     return tensors
 

@@ -324,16 +324,15 @@ def test_shard_plan_splits_the_delta_net_heads(tiny_model_factory, family: str) 
         ShardPlan.build(cfg, 0, 4)
 
 
-def test_gguf_qwen3next_files_are_refused(tmp_path) -> None:
-    """llama.cpp's qwen3next GGUF layout is not read: a clear start-up error, not a
-    half-built model."""
+def test_gguf_qwen35_files_are_refused(tmp_path) -> None:
+    """llama.cpp's qwen35 GGUF layout is not read (qwen3next is: test_gguf_frontier.py): a
+    clear start-up error, not a half-built model."""
     from gguf_files import header_only_gguf
 
     from server.models.gguf import gguf_model_config, open_gguf
 
-    path = header_only_gguf(tmp_path / "q.gguf", "qwen3next", block_count=4,
-                            expert_count=6)
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen3next'"):
+    path = header_only_gguf(tmp_path / "q.gguf", "qwen35", block_count=4)
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen35'"):
         gguf_model_config(open_gguf(str(path)))
 
 
