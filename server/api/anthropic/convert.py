@@ -108,8 +108,8 @@ def image_refs(req: CountTokensRequest, chat: ChatCompletionRequest) -> list[Ima
 def _image_url(block: ImageBlock, where: str) -> str:
     source = block.source
     if isinstance(source, FileSource):
-        raise APIError(400, f"{where}.source: file sources (Anthropic's Files API) are not "
-                            "supported by this server; send the image as base64 or a URL",
+        raise APIError(400, "file sources (Anthropic's Files API) are not supported by this "
+                            "server; send the image as base64 or a URL",
                        f"{where}.source.file_id", "unsupported_parameter")
     if isinstance(source, Base64Source):
         return f"data:{source.media_type};base64,{source.data}"
