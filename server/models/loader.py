@@ -177,9 +177,6 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     reader = _gguf_reader(source) if source.is_gguf else None
     full_cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
     vision_cfg = load_vision_config(source)
-    if vision_cfg is not None and parallel.world_size > 1:
-        raise ValueError("vision-language models do not support --tensor-parallel-size > 1 "
-                         "yet")
     check_checkpoint(source, full_cfg, reader, vision_cfg)  # before anything is allocated
     torch_dtype = resolve_dtype(dtype, full_cfg, source, device.type)
     with torch.device("meta"):
@@ -194,10 +191,13 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    split = VisionSplit()
+    # Under tensor parallelism the vision tower runs on rank 0 only (its rows travel with
+    # each prefill's order, server/engine/executor/base.py): the other ranks skip it.
+    split = VisionSplit(keep=parallel.is_driver)
     if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
         # the rank's bytes only
-        tensors = plan.read(text_part(safetensors_slices(Path(source.folder)), cfg, log=True))
+        slices = text_part(safetensors_slices(Path(source.folder)), cfg, log=True)
+        tensors = plan.read(split.text(slices) if vision_cfg is not None else slices)
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
                    else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
@@ -210,7 +210,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     load_into(model, tensors, _origin(source))
     model.eval()
     vision = None
-    if vision_cfg is not None:
+    if vision_cfg is not None and parallel.is_driver:
         vision = build_vision(vision_cfg).to(device)
         load_vision(vision, split.vision, source.folder)
         vision.to(torch_dtype).eval()
@@ -241,19 +241,21 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
 
 class VisionSplit:
     """Parts a vision-language checkpoint's tensor stream: the language model's tensors
-    pass on under the Llama loader's names, the vision tower's are kept aside."""
+    (or lazy slices) pass on under the Llama loader's names, the vision tower's are kept
+    aside, read whole (``keep``; else dropped unread: a rank that runs no encoder)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
         self.vision: dict[str, torch.Tensor] = {}
 
-    def text(self, tensors: Iterator[tuple[str, torch.Tensor]]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+    def text(self, tensors: Iterator[tuple[str, T]]) -> Iterator[tuple[str, T]]:
         for name, tensor in tensors:
             vision_name = vision_tensor_name(name)
-            if vision_name is not None:
-                self.vision[vision_name] = tensor
-            else:
+            if vision_name is None:
                 yield text_tensor_name(name), tensor
+            elif self.keep:  # a lazy slice (safetensors' get_slice) is read whole here
+                self.vision[vision_name] = (tensor if isinstance(tensor, torch.Tensor)
+                                            else tensor[:])  # type: ignore[index]
 
 
 def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:
