@@ -146,7 +146,8 @@ class LLMEngine:
         self.vision: VisionInfo | None = None
         images = None
         if loaded.vision is not None:
-            images = ImageInputProcessor(source.folder, loaded.vision.config, mm.image_limit)
+            images = ImageInputProcessor(source.folder, loaded.vision.config, mm.image_limit,
+                                         mm.processor_kwargs)
             self.vision = VisionInfo(mm.image_limit, mm.allowed_local_media_path,
                                      mm.image_fetch_timeout, mm.max_image_bytes,
                                      mm.max_image_pixels)
