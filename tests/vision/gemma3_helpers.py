@@ -74,6 +74,8 @@ def save_tiny_gemma3(path: Path, seed: int = 0):
                 p.mul_(0.5)  # scaled by sqrt(hidden) on the way in, and tied to the head
             elif p.dim() >= 2:
                 p.mul_(2.0)
+        # transformers starts the projection at zero: no image would change anything
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
     image_processor = transformers.Gemma3ImageProcessorPil(
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5] * 3,
         image_std=[0.5] * 3)
@@ -83,3 +85,20 @@ def save_tiny_gemma3(path: Path, seed: int = 0):
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return model, processor
+
+
+def gemma3_prompt(body: str) -> str:
+    """One user turn as the template writes it (``<start_of_image>`` where images go)."""
+    return f"<s><start_of_turn>user\n{body}<end_of_turn>\n<start_of_turn>model\n"
+
+
+def causal_reference_ids(model, processor, text: str, images: list,
+                         max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation with a plain causal mask (no token_type_ids):
+    what an engine that ignored Gemma 3's bidirectional image attention would answer."""
+    enc = processor(text=text, images=images, return_tensors="pt")
+    enc.pop("token_type_ids")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens)
+    return out[0, enc["input_ids"].shape[1]:].tolist()
