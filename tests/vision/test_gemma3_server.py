@@ -74,7 +74,7 @@ def test_sdk_answers_equal_transformers(tiny_gemma3, start_server_fn) -> None:
         srv.stop()
 
 
-@pytest.mark.slow  # compiles every bucket before the port opens (~5 min on two cores)
+@pytest.mark.slow  # compiles 5 buckets before the port opens (1.5-8 min on two cores)
 def test_compile_mode_through_the_sdk_compiles_nothing_while_serving(
         tiny_gemma3, start_server_fn, tmp_path) -> None:
     buckets = tmp_path / "buckets.txt"
