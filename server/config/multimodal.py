@@ -37,6 +37,21 @@ def parse_mm_limits(text: str) -> dict[str, int]:
     return limits
 
 
+def parse_processor_kwargs(text: str) -> dict[str, object]:
+    """``--mm-processor-kwargs``: vLLM's JSON object of settings for the checkpoint's
+    processor, e.g. ``{"do_pan_and_scan": false}``; empty: none."""
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--mm-processor-kwargs {text}: expected JSON such as "
+                         "'{\"do_pan_and_scan\": false}'") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--mm-processor-kwargs {text}: expected a JSON object")
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class MultiModalConfig:
     """What a request's images may be: how many per prompt, where from, how large."""
@@ -45,6 +60,11 @@ class MultiModalConfig:
         '{"image": 4}', group=GROUP, metavar="JSON",
         help="most items of each modality in one prompt, as JSON (vLLM's flag); it also "
              "sizes the vision encoder's buckets")
+    mm_processor_kwargs: str = flag(
+        "", group=GROUP, metavar="JSON",
+        help="settings of the checkpoint's image processor, as JSON (vLLM's flag); each "
+             "must be one the processor has, and the engine must serve it (Gemma 3's "
+             "do_pan_and_scan: true is refused)")
     allowed_local_media_path: str = flag(
         "", group=GROUP, metavar="DIR",
         help="a folder whose files requests may name as file:// image URLs (unset: none)")
@@ -65,6 +85,7 @@ class MultiModalConfig:
 
     def __post_init__(self) -> None:
         self.limits  # noqa: B018 - checks the JSON at start-up
+        self.processor_kwargs  # noqa: B018
         if self.image_fetch_timeout <= 0:
             raise ValueError("VLLM_IMAGE_FETCH_TIMEOUT must be > 0")
         if self.max_image_bytes < 1 or self.max_image_pixels < 1:
@@ -75,6 +96,10 @@ class MultiModalConfig:
     @property
     def limits(self) -> dict[str, int]:
         return parse_mm_limits(self.limit_mm_per_prompt)
+
+    @property
+    def processor_kwargs(self) -> dict[str, object]:
+        return parse_processor_kwargs(self.mm_processor_kwargs)
 
     @property
     def image_limit(self) -> int:

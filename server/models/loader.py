@@ -43,7 +43,7 @@ from server.models.safetensors_files import (
     safetensors_tensors,
 )
 from server.models.tensor_parallel import ShardPlan, build_model
-from server.models.vision import LlavaVision, VisionConfig, build_vision, vision_config_of
+from server.models.vision import VisionConfig, VisionModel, build_vision, vision_config_of
 from server.models.vision.llava import load_vision, text_tensor_name, vision_tensor_name
 from server.models.weight_load import TensorOrigin, load_into
 
@@ -165,7 +165,7 @@ class LoadedModel:
     # tensor parallelism: which slices this rank holds (None: the whole model)
     plan: ShardPlan | None = None
     # a vision-language checkpoint's tower and projector (None: text only)
-    vision: LlavaVision | None = None
+    vision: VisionModel | None = None
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device,

@@ -26,7 +26,7 @@ from server.engine.multimodal.inputs import ImageSpan
 from server.hpu.buckets.encoder import encoder_buckets, format_encoder_plan
 from server.hpu.counters import DeviceCounters
 from server.hpu.types import SyncPoint
-from server.models.vision import LlavaVision
+from server.models.vision import VisionModel
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class EncoderCache:
 class VisionEncoder:
     """Runs the vision tower on bucketed image batches, and builds a prefill's image rows."""
 
-    def __init__(self, vision: LlavaVision, mode: ExecutionMode, counters: DeviceCounters,
+    def __init__(self, vision: VisionModel, mode: ExecutionMode, counters: DeviceCounters,
                  device: torch.device, dtype: torch.dtype, max_images: int,
                  cache_images: int) -> None:
         self.vision = vision
@@ -163,6 +163,22 @@ class VisionEncoder:
             embeds[flat:flat + hi - lo] = found[span.hash][lo - span.offset:hi - span.offset]
             mask[flat:flat + hi - lo] = True
         return embeds, mask
+
+    def image_ends(self, seqs: Seq[Sequence], new_tokens: Seq[int], starts: Seq[int],
+                   total: int) -> torch.Tensor | None:
+        """``[total]`` the end position (exclusive) of the image each token of a prefill
+        belongs to, 0 for text tokens (laid out as :meth:`rows`), for a model whose image
+        tokens attend to each other both ways (Gemma 3); None for the others."""
+        if not self.vision.config.bidirectional:
+            return None
+        ends = torch.zeros(total, dtype=torch.long)
+        for seq, n, flat in zip(seqs, new_tokens, starts):
+            begin = seq.num_computed_tokens
+            for span in seq.images:
+                lo, hi = max(begin, span.offset), min(begin + n, span.end)
+                if lo < hi:
+                    ends[flat + lo - begin:flat + hi - begin] = span.end
+        return ends.to(self.device)
 
     def activation_bytes(self) -> int:
         """A bound on the encoder's working memory at its largest bucket: a few layer-wide
