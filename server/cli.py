@@ -149,8 +149,7 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
         print(f"Draft model {spec.model}: warms every bucket above on its own graphs (it "
               "mirrors each target step); its draft steps are the decode buckets")
     elif spec is not None and spec.method.reads_hidden_states:
-        head = spec.model or "the model's own MTP layers"
-        print(f"{spec.method} head ({head}): warms every bucket above on its own graphs "
+        print(f"{spec.method} head {spec.model}: warms every bucket above on its own graphs "
               "(it mirrors each target step on the target's hidden states); its draft "
               "steps are the decode buckets")
     return 0

@@ -14,14 +14,13 @@ GROUP = "Speculative decoding"
 
 
 class SpecMethod(str, enum.Enum):
-    """Proposers this server has; vLLM's others (medusa, suffix...) are refused at start-up
-    with their name."""
+    """Proposers this server has; vLLM's others (mtp, medusa, suffix...) are refused at
+    start-up with their name."""
 
     NGRAM = "ngram"
     DRAFT_MODEL = "draft_model"
     EAGLE = "eagle"  # an EAGLE-1 head on the target's last hidden state
     EAGLE3 = "eagle3"  # an EAGLE-3 head on three of the target's layers' hidden states
-    MTP = "mtp"  # the target's own multi-token-prediction layers (DeepSeek-V3)
 
     def __str__(self) -> str:
         return self.value
@@ -29,11 +28,12 @@ class SpecMethod(str, enum.Enum):
     @property
     def reads_hidden_states(self) -> bool:
         """Whether the drafter runs on the target's hidden states (a head, not a model)."""
-        return self in (SpecMethod.EAGLE, SpecMethod.EAGLE3, SpecMethod.MTP)
+        return self in (SpecMethod.EAGLE, SpecMethod.EAGLE3)
 
 
 # vLLM's methods this server does not have yet: refused at start-up, saying so
-_NOT_YET = frozenset({"medusa", "mlp_speculator", "suffix", "qwen3_next_mtp", "ernie_mtp"})
+_NOT_YET = frozenset({"mtp", "medusa", "mlp_speculator", "suffix", "qwen3_next_mtp",
+                      "ernie_mtp"})
 # vLLM's older names of a method
 _ALIASES = {"deepseek_mtp": "mtp"}
 
@@ -49,7 +49,7 @@ class SpeculativeSettings:
     (the verify step's query is one more), proposed by prompt lookup of an n-gram of
     ``prompt_lookup_min``..``prompt_lookup_max`` tokens (``ngram``) or by the smaller
     checkpoint at ``model`` (``draft_model``), by the EAGLE head at ``model`` (``eagle``,
-    ``eagle3``) or by the target's own prediction layers (``mtp``); off above
+    ``eagle3``); off above
     ``disable_by_batch_size`` running sequences (None: never off)."""
 
     method: SpecMethod
@@ -110,9 +110,6 @@ def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeSetti
             not isinstance(model, str) or not model):
         raise ValueError(f"{where}: method {spec_method} needs \"model\": the {spec_method} "
                          "head's checkpoint folder (vLLM's layout)")
-    if spec_method is SpecMethod.MTP and model not in (None, ""):
-        raise ValueError(f"{where}: method mtp reads the target's own prediction layers; it "
-                         "takes no \"model\"")
     if data.get("draft_tensor_parallel_size") not in (None, 1):
         raise ValueError(f"{where}: draft_tensor_parallel_size must be 1")
     k = _int(data, "num_speculative_tokens", None)
@@ -156,8 +153,8 @@ class SpeculativeConfig:
              "\"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": "
              "M, \"disable_by_batch_size\": B} or {\"method\": \"draft_model\", \"model\": "
              "PATH, \"num_speculative_tokens\": K}; \"method\": \"eagle\" / \"eagle3\" with "
-             "\"model\": an EAGLE head; \"method\": \"mtp\": the model's own prediction "
-             "layers (verify steps run in warmed decode buckets of query K + 1)")
+             "\"model\": an EAGLE head (verify steps run in warmed decode buckets of query "
+             "K + 1)")
 
     def __post_init__(self) -> None:
         value: Any = self.speculative_config
