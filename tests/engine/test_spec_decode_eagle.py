@@ -192,8 +192,9 @@ def test_sampled_distribution_is_the_targets(damped) -> None:
 
 @pytest.mark.slow
 def test_compile_mode_warms_the_head_and_serves_without_compiling(target, heads) -> None:
-    engine = LLM(target, dtype="float32", block_size=16, max_num_seqs=4,
-                 max_model_len=128, execution_mode="compile",
+    # a small plan (2 sequences, 64 positions): warmup compiles every bucket twice
+    engine = LLM(target, dtype="float32", block_size=16, max_num_seqs=2,
+                 max_model_len=64, execution_mode="compile",
                  speculative_config=spec("eagle3", heads["eagle3"]))
     counters = engine.engine.counters
     runner = engine.engine.runner
@@ -201,10 +202,10 @@ def test_compile_mode_warms_the_head_and_serves_without_compiling(target, heads)
     planned = {phase: set(b) for phase, b in runner.shapes.buckets.items()}
     assert runner.draft.graphs.warmed == runner.graphs.warmed == planned
     gen = torch.Generator().manual_seed(5)
-    batch = [p[:60] for p in prompts(300)]
+    batch = [p[:30] for p in prompts(300)]
     for i in range(3):
-        lengths = torch.randint(1, 40, (4,), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=20 + i * 5, ignore_eos=True)
+        lengths = torch.randint(1, 30, (4,), generator=gen).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=15 + i * 5, ignore_eos=True)
         engine.generate([batch[(i + j) % len(batch)][:n] for j, n in enumerate(lengths)],
                         params)
     assert engine.engine.stats().spec_num_draft_tokens > 0
