@@ -3,12 +3,15 @@
 SmolLM2-135M unless --model), greedy.
 
     python benchmarks/spec_decode.py [--model PATH] [--k 3] [--rounds 2]
-        [--method ngram|draft_model] [--draft PATH] [--quantization none]
+        [--method ngram|draft_model|eagle|eagle3] [--draft PATH] [--quantization none]
         [--concurrency 16] [--disable-by-batch-size 0]
 
 ``--method draft_model`` drafts with ``--draft`` (default: the embedded Q4_1 GGUF, served
 from its 4-bit codes); ``--quantization none`` serves the target from its dense bfloat16
 weights (the embedded model's dense copy: a target that the Q4 draft is cheaper than).
+``--method eagle`` / ``eagle3`` draft with the EAGLE head at ``--draft``, else a random head
+built for the target in a temporary folder (it accepts almost nothing: its ratio is the
+head's cost, not a speed-up).
 
 Two workloads, each timed in rounds A/B then B/A (A: plain, B: speculative) so drift in the
 machine's load falls on both sides:
@@ -127,9 +130,56 @@ def spec_config(args: argparse.Namespace) -> dict:
                     "disable_by_batch_size": args.disable_by_batch_size or None}
     if args.method == "ngram":
         config.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
+    elif args.method in ("eagle", "eagle3"):
+        config["model"] = args.draft or random_head(args.model, args.method)
     else:
         config["model"] = args.draft or embedded_gguf()
     return config
+
+
+def random_head(model: str | None, method: str) -> str:
+    """A random EAGLE / EAGLE-3 head for ``model`` in vLLM's layout, in a temporary folder."""
+    import json
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from server.models.loader import load_model_config, resolve_model_source
+
+    cfg = load_model_config(resolve_model_source(model))
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    eagle3 = method == "eagle3"
+    pre = "midlayer." if eagle3 else "layers.0."
+    attn_in = 2 * h if eagle3 else h
+    tensors = {f"{pre}self_attn.q_proj.weight": rand(cfg.num_heads * d, attn_in),
+               f"{pre}self_attn.k_proj.weight": rand(cfg.num_kv_heads * d, attn_in),
+               f"{pre}self_attn.v_proj.weight": rand(cfg.num_kv_heads * d, attn_in),
+               f"{pre}self_attn.o_proj.weight": rand(h, cfg.num_heads * d),
+               f"{pre}mlp.gate_proj.weight": rand(inter, h),
+               f"{pre}mlp.up_proj.weight": rand(inter, h),
+               f"{pre}mlp.down_proj.weight": rand(h, inter),
+               f"{pre}post_attention_layernorm.weight": torch.ones(h),
+               "fc.weight": rand(h, (3 if eagle3 else 2) * h)}
+    config = {"architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"],
+              "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": 1,
+              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+              "head_dim": d, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+              "rope_theta": cfg.rope_theta,
+              "max_position_embeddings": cfg.max_position_embeddings}
+    if eagle3:
+        tensors |= {f"{pre}input_layernorm.weight": torch.ones(h),
+                    f"{pre}hidden_norm.weight": torch.ones(h), "norm.weight": torch.ones(h),
+                    "lm_head.weight": rand(cfg.vocab_size, h)}
+    folder = tempfile.mkdtemp(prefix=f"{method}-head-")
+    save_file(tensors, f"{folder}/model.safetensors")
+    Path(folder, "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def embedded_gguf() -> str:
@@ -142,8 +192,10 @@ def embedded_gguf() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="target (default: embedded SmolLM2)")
-    parser.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
-    parser.add_argument("--draft", default=None, help="draft_model: the draft checkpoint")
+    parser.add_argument("--method", default="ngram",
+                        choices=("ngram", "draft_model", "eagle", "eagle3"))
+    parser.add_argument("--draft", default=None,
+                        help="draft_model: the draft checkpoint; eagle / eagle3: the head")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)

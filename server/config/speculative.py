@@ -14,19 +14,28 @@ GROUP = "Speculative decoding"
 
 
 class SpecMethod(str, enum.Enum):
-    """Proposers this server has; vLLM's others (eagle, eagle3, mtp, medusa...) are refused
-    at start-up with their name."""
+    """Proposers this server has; vLLM's others (mtp, medusa, suffix...) are refused at
+    start-up with their name."""
 
     NGRAM = "ngram"
     DRAFT_MODEL = "draft_model"
+    EAGLE = "eagle"  # an EAGLE-1 head on the target's last hidden state
+    EAGLE3 = "eagle3"  # an EAGLE-3 head on three of the target's layers' hidden states
 
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def reads_hidden_states(self) -> bool:
+        """Whether the drafter runs on the target's hidden states (a head, not a model)."""
+        return self in (SpecMethod.EAGLE, SpecMethod.EAGLE3)
+
 
 # vLLM's methods this server does not have yet: refused at start-up, saying so
-_NOT_YET = frozenset({"eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix",
-                      "deepseek_mtp", "qwen3_next_mtp", "ernie_mtp"})
+_NOT_YET = frozenset({"mtp", "medusa", "mlp_speculator", "suffix", "qwen3_next_mtp",
+                      "ernie_mtp"})
+# vLLM's older names of a method
+_ALIASES = {"deepseek_mtp": "mtp"}
 
 # vLLM's keys that this server reads; any other key is a start-up error naming it
 _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min",
@@ -39,15 +48,17 @@ class SpeculativeSettings:
     """The parsed ``--speculative-config``: ``num_speculative_tokens`` drafts per decode step
     (the verify step's query is one more), proposed by prompt lookup of an n-gram of
     ``prompt_lookup_min``..``prompt_lookup_max`` tokens (``ngram``) or by the smaller
-    checkpoint at ``model`` (``draft_model``); off above ``disable_by_batch_size`` running
-    sequences (None: never off)."""
+    checkpoint at ``model`` (``draft_model``), by the EAGLE head at ``model`` (``eagle``,
+    ``eagle3``); off above
+    ``disable_by_batch_size`` running sequences (None: never off)."""
 
     method: SpecMethod
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft_model: the draft checkpoint (a path or a Hub id)
+    # draft_model: the draft checkpoint; eagle / eagle3: the head's (a path or a Hub id)
+    model: str | None = None
 
     @property
     def query_len(self) -> int:
@@ -81,6 +92,7 @@ def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeSetti
         method = "eagle" if "eagle" in model.lower() else "draft_model"
     if method is None:
         raise ValueError(f"{where}: \"method\" is required (supported: {supported})")
+    method = _ALIASES.get(method, method)
     if method in _NOT_YET:
         raise ValueError(f"{where}: method {method!r} is not supported by this server yet "
                          f"(supported: {supported})")
@@ -94,6 +106,10 @@ def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeSetti
     if spec_method is SpecMethod.DRAFT_MODEL and (not isinstance(model, str) or not model):
         raise ValueError(f"{where}: method draft_model needs \"model\": the draft "
                          "checkpoint (a smaller model with the target's tokenizer)")
+    if spec_method in (SpecMethod.EAGLE, SpecMethod.EAGLE3) and (
+            not isinstance(model, str) or not model):
+        raise ValueError(f"{where}: method {spec_method} needs \"model\": the {spec_method} "
+                         "head's checkpoint folder (vLLM's layout)")
     if data.get("draft_tensor_parallel_size") not in (None, 1):
         raise ValueError(f"{where}: draft_tensor_parallel_size must be 1")
     k = _int(data, "num_speculative_tokens", None)
@@ -113,8 +129,9 @@ def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeSetti
                          f"({hi})")
     if disable is not None and disable < 1:
         raise ValueError(f"{where}: disable_by_batch_size must be >= 1")
+    with_model = spec_method in (SpecMethod.DRAFT_MODEL, SpecMethod.EAGLE, SpecMethod.EAGLE3)
     return SpeculativeSettings(spec_method, k, lo, hi, disable,
-                               model if spec_method is SpecMethod.DRAFT_MODEL else None)
+                               model if with_model else None)
 
 
 def _int(data: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -135,8 +152,9 @@ class SpeculativeConfig:
         help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
              "\"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": "
              "M, \"disable_by_batch_size\": B} or {\"method\": \"draft_model\", \"model\": "
-             "PATH, \"num_speculative_tokens\": K} (verify steps run in warmed decode buckets "
-             "of query K + 1)")
+             "PATH, \"num_speculative_tokens\": K}; \"method\": \"eagle\" / \"eagle3\" with "
+             "\"model\": an EAGLE head (verify steps run in warmed decode buckets of query "
+             "K + 1)")
 
     def __post_init__(self) -> None:
         value: Any = self.speculative_config

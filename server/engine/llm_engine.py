@@ -380,10 +380,11 @@ class LLMEngine:
         )
 
     def _speculation(self, spec: SpeculativeSettings | None) -> Speculation | None:
-        """The scheduler's proposer: prompt lookup, or the runner's draft model."""
+        """The scheduler's proposer: prompt lookup, or the runner's draft model (or EAGLE /
+        MTP head)."""
         if spec is None:
             return None
-        if spec.method is SpecMethod.DRAFT_MODEL:
+        if spec.method is not SpecMethod.NGRAM:
             assert self.runner.draft is not None
             propose = self.runner.draft.propose
         else:

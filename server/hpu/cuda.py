@@ -66,7 +66,8 @@ def _clone_inputs(inputs: ForwardInputs) -> ForwardInputs:
                          inputs.logits_indices.clone(), inputs.num_seqs,
                          clone(inputs.lora_slots),
                          None if inputs.state is None else inputs.state.clone(),
-                         mm_embeds=clone(inputs.mm_embeds), mm_mask=clone(inputs.mm_mask))
+                         mm_embeds=clone(inputs.mm_embeds), mm_mask=clone(inputs.mm_mask),
+                         spec_slots=clone(inputs.spec_slots))
 
 
 def _copy_inputs(dst: ForwardInputs, src: ForwardInputs) -> None:
@@ -75,7 +76,7 @@ def _copy_inputs(dst: ForwardInputs, src: ForwardInputs) -> None:
     dst.logits_indices.copy_(src.logits_indices)
     if dst.state is not None and src.state is not None:  # hybrid models' state slots
         dst.state.copy_(src.state)
-    for name in ("lora_slots", "mm_embeds", "mm_mask"):  # a vision prefill's image rows
+    for name in ("lora_slots", "mm_embeds", "mm_mask", "spec_slots"):  # a vision prefill's image rows
         target, given = getattr(dst, name), getattr(src, name)
         if target is not None and given is not None:
             target.copy_(given)

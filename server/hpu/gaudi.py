@@ -45,7 +45,7 @@ def flatten_inputs(inputs: ForwardInputs) -> FlatInputs:
     meta = inputs.meta
     state = inputs.state.tensors() if inputs.state is not None else (None,) * 3
     tensors = (inputs.input_ids, inputs.positions, inputs.logits_indices, inputs.lora_slots,
-               *state, inputs.mm_embeds, inputs.mm_mask,
+               *state, inputs.mm_embeds, inputs.mm_mask, inputs.spec_slots,
                *(getattr(meta, name) for name in _META_TENSORS))
     return tensors, (meta.is_prompt, meta.block_size)
 
@@ -53,7 +53,7 @@ def flatten_inputs(inputs: ForwardInputs) -> FlatInputs:
 def unflatten_inputs(tensors: tuple[torch.Tensor | None, ...],
                      static: tuple[bool, int]) -> ForwardInputs:
     (input_ids, positions, logits_indices, lora_slots, slots, lens, has, mm_embeds, mm_mask,
-     *meta_tensors) = tensors
+     spec_slots, *meta_tensors) = tensors
     assert input_ids is not None and positions is not None and logits_indices is not None
     meta = AttentionMetadata(static[0], static[1],
                              **dict(zip(_META_TENSORS, meta_tensors)))  # type: ignore[arg-type]
@@ -61,7 +61,8 @@ def unflatten_inputs(tensors: tuple[torch.Tensor | None, ...],
     state = (StateInputs(slots, lens, has) if slots is not None and lens is not None
              and has is not None else None)
     return ForwardInputs(input_ids, positions, meta, logits_indices, input_ids.shape[0],
-                         lora_slots, state, mm_embeds=mm_embeds, mm_mask=mm_mask)
+                         lora_slots, state, mm_embeds=mm_embeds, mm_mask=mm_mask,
+                         spec_slots=spec_slots)
 
 
 class ForwardModule(torch.nn.Module):

@@ -46,6 +46,9 @@ class ForwardInputs:
     # is set, replacing those tokens' embeddings; None in decodes and text-only models
     mm_embeds: torch.Tensor | None = None
     mm_mask: torch.Tensor | None = None
+    # an EAGLE / MTP head's steps: [2, bs * q] feature-store rows, where each token's hidden
+    # input is read (its previous position's) and where its own output is written
+    spec_slots: torch.Tensor | None = None
 
 
 ForwardFn = Callable[[ForwardInputs], torch.Tensor]

@@ -183,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.lora_slots: LoRASlots | None = None
+        # EAGLE-3: the layers whose incoming residual stream forward() appends to its output
+        self.aux_layers: tuple[int, ...] = ()
 
     def forward(
         self,
@@ -194,7 +196,8 @@ class LlamaForCausalLM(nn.Module):
         mm_embeds: torch.Tensor | None = None,
         mm_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]``;
+        """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]`` (then,
+        with :meth:`emit_aux_hidden`, the stream entering each of those layers);
         ``lora_slots``: each token's adapter slot (0: none), with :meth:`enable_lora`;
         ``mm_embeds`` ``[bs * q, hidden]``: rows that replace the embeddings of the tokens
         ``mm_mask`` ``[bs * q, 1]`` marks (a vision-language prompt's image tokens)."""
@@ -215,10 +218,14 @@ class LlamaForCausalLM(nn.Module):
         residual = torch.zeros_like(x)  # 0 + x is exact: the first add changes nothing
         lora_mask = (self.lora_slots.mask(lora_slots)
                      if self.lora_slots is not None and lora_slots is not None else None)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index in self.aux_layers:
+                aux.append(x + residual)
             x, residual = layer(x, residual, local_rope if layer.local_rope else rope,
                                 kv_cache, meta, lora_mask)
-        return self.norm(x, residual)[0]
+        out = self.norm(x, residual)[0]
+        return torch.cat([out, *aux], dim=-1) if aux else out
 
     def build_rotary(self, device: torch.device | None = None
                      ) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
@@ -273,6 +280,11 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.lora = layer_slots
             if isinstance(layer.mlp, MLP):
                 layer.mlp.lora = layer_slots
+
+    def emit_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        """EAGLE-3: forward() also returns the residual stream entering ``layers``, after
+        the final hidden state on the last axis (one tensor: graphs return one)."""
+        self.aux_layers = layers
 
     def use_ops(self, ops: TorchLayerOps) -> None:
         """Routes every layer's fusable operations to ``ops`` (see layer_ops.py)."""

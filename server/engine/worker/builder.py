@@ -12,6 +12,7 @@ the same slot).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from server.engine.worker.model_runner import ModelRunner
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ShapeRunner
 from server.hpu.platform import Platform
+from server.models.eagle import EagleHead, load_eagle_head
 from server.models.loader import (
     LoadedModel,
     ModelSource,
@@ -29,6 +31,8 @@ from server.models.loader import (
     resolve_model_source,
 )
 from server.models.lora import LoRASlots, SlotWriter
+
+logger = logging.getLogger(__name__)
 
 # Wraps the platform's graph runner (tensor parallelism's rank 0: broadcast, then run).
 GraphRunnerWrapper = Callable[[ShapeRunner], ShapeRunner]
@@ -61,12 +65,33 @@ def build_model_runner(config: EngineConfig, platform: Platform, source: ModelSo
                     if source.is_gguf and config.model.quantization != "none"
                     and parallel.world_size == 1 else None)
     draft, draft_int4 = load_draft(config, platform, loaded, parallel)
+    limits = resolve_limits(config, platform, loaded.config.max_position_embeddings)
     return ModelRunner(
-        config, platform, loaded,
-        resolve_limits(config, platform, loaded.config.max_position_embeddings),
+        config, platform, loaded, limits,
         eos_token_ids, config.model.served_model_name or source.name,
         writable_cache_dir(config.cache_dir), int4_weights, parallel, wrap_graphs, wrap_lora,
-        draft, draft_int4)
+        draft, draft_int4, load_head(config, loaded, parallel, limits.max_model_len))
+
+
+def load_head(config: EngineConfig, loaded: LoadedModel, parallel: ParallelContext,
+              max_model_len: int) -> EagleHead | None:
+    """``--speculative-config`` eagle / eagle3: the head's checkpoint, in the target's
+    dtype, sharing the target's embeddings (and EAGLE-1's LM head)."""
+    spec = config.speculative.settings
+    if spec is None or spec.method not in (SpecMethod.EAGLE, SpecMethod.EAGLE3):
+        return None
+    assert spec.model is not None
+    if parallel.world_size > 1:
+        raise ValueError(f"--speculative-config {spec.method}: not with "
+                         "--tensor-parallel-size > 1 yet")
+    source = resolve_model_source(spec.model)
+    head = load_eagle_head(source.folder, spec.method.value, loaded.model, loaded.dtype,
+                           next(loaded.model.parameters()).device, max_model_len)
+    logger.info("%s head %s: %.1fM params of its own, target layers %s", spec.method,
+                source.name, sum(p.numel() for p in head.parameters()
+                                 if not any(p is q for q in loaded.model.parameters())) / 1e6,
+                head.aux_layers or "(last hidden state)")
+    return head
 
 
 def load_draft(config: EngineConfig, platform: Platform, loaded: LoadedModel,

@@ -10,6 +10,9 @@ its own shape. Proposing is then up to ``k`` plain decode steps of the draft, ea
 taking its argmax: a point-mass draft, which the target's rejection rule (rejection.py)
 verifies as it is, keeping the target's distribution exactly.
 
+An EAGLE head (eagle.py) is a draft of this kind whose steps also read the target's hidden
+states: :class:`HiddenInputs` adds them to each step's inputs.
+
 Every shape the draft runs is a planned bucket (the target's prefill, decode and verify
 buckets; draft steps are decode buckets of query 1), warmed on the draft's graphs before
 the port opens, and counted like the target's.
@@ -22,7 +25,7 @@ import logging
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -100,20 +103,39 @@ class DraftForward:
         return self.model.compute_logits(hidden)
 
 
+class HiddenInputs(Protocol):
+    """What a draft that reads the target's hidden states adds to its steps' inputs."""
+
+    def mirrored(self, inputs: ForwardInputs, seqs: list[Sequence], starts: list[int]
+                 ) -> ForwardInputs: ...
+
+    def proposing(self, inputs: ForwardInputs, standins: list[Sequence]) -> ForwardInputs: ...
+
+    def warming(self, inputs: ForwardInputs) -> ForwardInputs: ...
+
+
 class DraftModel:
     """The draft's graphs on the target's inputs and buckets: mirrors every target step,
-    proposes drafts with its own decode steps."""
+    proposes drafts with its own decode steps. ``argmax``: logits -> the target's token
+    ids; ``hidden``: an EAGLE head's hidden-state inputs (None: a draft model)."""
 
     def __init__(self, graphs: ShapeRunner, inputs: InputBuilder, shapes: ShapePlanner | None,
-                 argmax: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor],
+                 hidden: HiddenInputs | None = None) -> None:
         self.graphs = graphs
         self.inputs = inputs
         self.shapes = shapes
         self.argmax = argmax
+        self.hidden = hidden
 
-    def mirror(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
-        """Writes the draft's K/V of a target step's tokens (the same bucket)."""
-        self.graphs.run(phase, bucket, _without_lora(inputs))
+    def mirror(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs,
+               seqs: list[Sequence], starts: list[int]) -> None:
+        """Writes the draft's K/V of a target step's tokens (the same bucket); ``starts``:
+        where each row's first token sits in the flattened inputs."""
+        inputs = _without_lora(inputs)
+        if self.hidden is not None:
+            inputs = self.hidden.mirrored(inputs, seqs, starts)
+        self.graphs.run(phase, bucket, inputs)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """Up to ``limits[i]`` draft tokens for each sequence (their slots allocated):
@@ -139,6 +161,8 @@ class DraftModel:
                 bucket = (self.shapes.pad(Phase.DECODE, bs, size) if self.shapes is not None
                           else exact_bucket(Phase.DECODE, bs, size))
                 inputs = self.inputs.decode(standins, padded_size(Phase.DECODE, bucket))
+                if self.hidden is not None:
+                    inputs = self.hidden.proposing(inputs, standins)
                 logits = self.graphs.run(Phase.DECODE, bucket, inputs)[:bs]
                 for i, token in zip(rows, self.argmax(logits).tolist()):
                     drafts[i].append(token)
@@ -154,6 +178,8 @@ class DraftModel:
         for phase, planned in buckets.items():
             for bucket in planned:
                 inputs = _without_lora(make_inputs(phase, bucket))
+                if self.hidden is not None:
+                    inputs = self.hidden.warming(inputs)
                 self.graphs.warm(phase, bucket, inputs)
                 if self.graphs.captures_graphs:
                     self.graphs.capture(phase, bucket, inputs)

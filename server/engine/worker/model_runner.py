@@ -33,6 +33,14 @@ from server.engine.worker.draft_model import (
     draft_kv_bytes_per_block,
     prepare_draft,
 )
+from server.engine.worker.eagle import (
+    EagleForward,
+    FeatureStore,
+    FeatureTap,
+    HeadInputs,
+    head_kv_bytes_per_block,
+    prepare_head,
+)
 from server.engine.worker.input_builder import InputBuilder, dummy_seq
 from server.engine.worker.prompt_logprobs import all_rows, flat_starts, score, scored_chunks
 from server.engine.worker.rejection import verify, verify_rows
@@ -58,6 +66,7 @@ from server.hpu.platform import Platform
 from server.hpu.state_cache import LayerState
 from server.hpu.types import Bucket, BucketLimits, DecodeLayout, Phase, SyncPoint
 from server.hpu.warmup import WarmupHooks, run_warmup
+from server.models.eagle import EagleHead
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import LoadedModel
 from server.models.lora import LoRASlots, SlotWriter
@@ -71,10 +80,12 @@ class ModelForward:
     updated in place), so it can be compiled or captured per bucket."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
-                 state_caches: list[LayerState] | None = None) -> None:
+                 state_caches: list[LayerState] | None = None,
+                 tap: FeatureTap | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.state_caches = state_caches  # hybrid models: their linear layers' states
+        self.tap = tap  # an EAGLE head's: each token's feature stored at its slot
 
     def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
         if self.state_caches is None:
@@ -85,6 +96,8 @@ class ModelForward:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.meta, None, self.state_caches, inputs.state)
+        if self.tap is not None:
+            hidden = self.tap(hidden, inputs.meta.slot_mapping)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, inputs.logits_indices)
         return self.model.compute_logits(hidden)
 
@@ -100,7 +113,8 @@ class ModelRunner:
                  wrap_graphs: Callable[[ShapeRunner], ShapeRunner] | None = None,
                  wrap_lora: Callable[[LoRASlots], SlotWriter] | None = None,
                  draft: LoadedModel | None = None,
-                 draft_int4_weights: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 draft_int4_weights: Callable[[], Mapping[str, Any]] | None = None,
+                 head: EagleHead | None = None) -> None:
         self.platform = platform
         self.limits = limits
         self.model = loaded.model
@@ -172,6 +186,15 @@ class ModelRunner:
                           cache_dir, limits.max_model_len, self.kv_dtype)
             draft_block_bytes = draft_kv_bytes_per_block(draft, self.block_size,
                                                          self.kv_dtype)
+        # --speculative-config eagle / eagle3: the head's layer beside the target's, and
+        # the target's features per KV slot (eagle.py)
+        if head is not None:
+            if config.device.enable_sleep_mode:
+                raise ValueError("--speculative-config eagle: not with --enable-sleep-mode "
+                                 "yet")
+            prepare_head(head, loaded.model, ops)
+            draft_block_bytes = head_kv_bytes_per_block(head, self.block_size, self.kv_dtype,
+                                                        loaded.dtype)
         # every rank must hold the same blocks (rank 0's block tables address them all)
         self.kv_layout = cfg.kv_layout
         logger.info("KV cache layout: %s", self.kv_layout.describe(self.kv_dtype))
@@ -182,7 +205,14 @@ class ModelRunner:
         draft_caches = (allocate_draft_cache(draft, ops, self.num_blocks, self.block_size,
                                              self.kv_dtype, platform.device)
                         if draft is not None else [])
-        self.kv_cache_bytes = cache_bytes(self.kv_caches + draft_caches)
+        store: FeatureStore | None = None
+        if head is not None:
+            draft_caches = ops.kv_cache_views(head.config.kv_layout.allocate(
+                self.num_blocks, self.block_size, self.kv_dtype, platform.device))
+            store = FeatureStore(self.num_blocks, self.block_size, head.hidden_size,
+                                 loaded.dtype, platform.device)
+        self.kv_cache_bytes = cache_bytes(self.kv_caches + draft_caches) + (
+            store.nbytes if store is not None else 0)
         self.state_caches = (self.state.allocate(platform.device) if self.state is not None
                              else None)
         self.counters.cache_config(self.block_size, self.kv_dtype, self.num_blocks,
@@ -191,13 +221,17 @@ class ModelRunner:
                                    loaded.dtype, limits.max_model_len, ops.decode_layout,
                                    self.state.pad_slot if self.state is not None else None)
         graphs: ShapeRunner = platform.graph_runner(
-            mode, ModelForward(loaded.model, self.kv_caches, self.state_caches),
+            mode, ModelForward(loaded.model, self.kv_caches, self.state_caches,
+                               FeatureTap(head, store) if head is not None and store else None),
             self.counters, loaded.model, config.device)
         self.graphs = graphs if wrap_graphs is None else wrap_graphs(graphs)
         self.sampler = Sampler(ops.argmax)
         draft_graphs = (platform.graph_runner(mode, DraftForward(draft.model, draft_caches),
                                               self.counters, draft.model, config.device)
                         if draft is not None else None)
+        if head is not None and store is not None:
+            draft_graphs = platform.graph_runner(mode, EagleForward(head, draft_caches, store),
+                                                 self.counters, head, config.device)
         # Eager with per-row block tables: a prefill's tokens are packed back to back with
         # no padding, and decodes can ride in the same forward as prompt chunks (one
         # forward per step, the decode rows inside the chunk's large matmuls). Graphs and
@@ -226,7 +260,12 @@ class ModelRunner:
                 logger.info("%s", line)
         bucket_limits = BucketLimits(limits.max_model_len, limits.max_num_seqs,
                                      limits.max_num_batched_tokens, self.num_blocks)
-        self.draft = (DraftModel(draft_graphs, self.inputs, self.shapes, self.sampler.argmax)
+        argmax = self.sampler.argmax
+        if head is not None:  # EAGLE-3 drafts over its own vocabulary
+            def argmax(logits: torch.Tensor) -> torch.Tensor:
+                return head.to_target_ids(self.sampler.argmax(logits))
+        self.draft = (DraftModel(draft_graphs, self.inputs, self.shapes, argmax,
+                                 HeadInputs(store) if store is not None else None)
                       if draft_graphs is not None else None)
         self.adaptive: AdaptiveBuckets | None = None
         if self.shapes is not None and config.bucketing.adaptive:
@@ -300,7 +339,8 @@ class ModelRunner:
         else:
             logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
         if self.draft is not None:  # the draft's K/V of the same tokens
-            self.draft.mirror(phase, bucket, inputs)
+            self.draft.mirror(phase, bucket, inputs, seqs, flat_starts(
+                inputs, new_tokens, phase is Phase.PREFILL and self.packs_tokens))
         label = bucket_label(phase, bucket)
         rows = batch.sampling_rows  # a prompt chunk short of its end samples nothing
         if not rows:
@@ -338,7 +378,8 @@ class ModelRunner:
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         logits = self.graphs.run(phase, bucket, inputs)
         if self.draft is not None:  # the last token's and the drafts' K/V in the draft
-            self.draft.mirror(phase, bucket, inputs)
+            self.draft.mirror(phase, bucket, inputs, seqs,
+                              flat_starts(inputs, new_tokens, self.packs_tokens))
         if not self.packs_tokens:  # the real rows of the [bs, q] grid
             index = [row * q + j for row, n in enumerate(new_tokens) for j in range(n)]
             logits = logits.index_select(0, torch.tensor(index, device=logits.device))
