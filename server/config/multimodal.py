@@ -15,6 +15,31 @@ MODALITIES = ("image",)
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 
 
+# what --mm-processor-kwargs may set: the resize bounds of dynamic-resolution processors
+PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+
+
+def parse_processor_kwargs(text: str) -> dict[str, int]:
+    """``--mm-processor-kwargs``: vLLM's JSON object of processor settings, e.g.
+    ``{"min_pixels": 3136, "max_pixels": 1003520}``."""
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--mm-processor-kwargs {text}: expected JSON such as "
+                         "'{\"max_pixels\": 1003520}'") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--mm-processor-kwargs {text}: expected a JSON object")
+    for key, value in data.items():
+        if key not in PROCESSOR_KWARGS:
+            raise ValueError(f"--mm-processor-kwargs: {key!r} is not supported (supported: "
+                             f"{', '.join(PROCESSOR_KWARGS)})")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"--mm-processor-kwargs: {key} must be a pixel count >= 1")
+    return data
+
+
 def parse_mm_limits(text: str) -> dict[str, int]:
     """``--limit-mm-per-prompt``: vLLM's JSON object, e.g. ``{"image": 2}``."""
     try:
@@ -45,6 +70,11 @@ class MultiModalConfig:
         '{"image": 4}', group=GROUP, metavar="JSON",
         help="most items of each modality in one prompt, as JSON (vLLM's flag); it also "
              "sizes the vision encoder's buckets")
+    mm_processor_kwargs: str = flag(
+        "", group=GROUP, metavar="JSON",
+        help="settings of the model's image processor, as JSON (vLLM's flag): min_pixels "
+             "and max_pixels bound a dynamic-resolution model's image sizes (Qwen2.5-VL), "
+             "and so its encoder buckets")
     allowed_local_media_path: str = flag(
         "", group=GROUP, metavar="DIR",
         help="a folder whose files requests may name as file:// image URLs (unset: none)")
@@ -65,6 +95,7 @@ class MultiModalConfig:
 
     def __post_init__(self) -> None:
         self.limits  # noqa: B018 - checks the JSON at start-up
+        self.processor_kwargs  # noqa: B018
         if self.image_fetch_timeout <= 0:
             raise ValueError("VLLM_IMAGE_FETCH_TIMEOUT must be > 0")
         if self.max_image_bytes < 1 or self.max_image_pixels < 1:
@@ -75,6 +106,10 @@ class MultiModalConfig:
     @property
     def limits(self) -> dict[str, int]:
         return parse_mm_limits(self.limit_mm_per_prompt)
+
+    @property
+    def processor_kwargs(self) -> dict[str, int]:
+        return parse_processor_kwargs(self.mm_processor_kwargs)
 
     @property
     def image_limit(self) -> int:

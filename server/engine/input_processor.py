@@ -125,8 +125,9 @@ class InputProcessor:
                                "would cut through an image's tokens)", "truncate_prompt_tokens")
         ids, spans = self.images.process(prompt_ids, images, "messages")
         budget = self.limits.max_num_batched_tokens
-        if spans and spans[0].length > budget:
-            raise RequestError(f"an image takes {spans[0].length} tokens, more than a step "
+        longest = max((s.length for s in spans), default=0)
+        if longest > budget:
+            raise RequestError(f"an image takes {longest} tokens, more than a step "
                                f"computes (--max-num-batched-tokens {budget})", "messages")
         return ids, spans
 

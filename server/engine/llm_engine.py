@@ -51,6 +51,7 @@ from server.models.loader import (
     resolve_model_source,
 )
 from server.models.lora import AdapterError
+from server.models.vision import with_processor_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,9 @@ class LLMEngine:
         self.vision: VisionInfo | None = None
         images = None
         if loaded.vision is not None:
-            images = ImageInputProcessor(source.folder, loaded.vision.config, mm.image_limit)
+            images = ImageInputProcessor(
+                source.folder, with_processor_kwargs(loaded.vision.config, mm.processor_kwargs),
+                mm.image_limit)
             self.vision = VisionInfo(mm.image_limit, mm.allowed_local_media_path,
                                      mm.image_fetch_timeout, mm.max_image_bytes,
                                      mm.max_image_pixels)

@@ -23,6 +23,7 @@ from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.lora.manager import LoRAManager, lora_dtype
 from server.engine.multimodal.encoder import VisionEncoder
+from server.engine.multimodal.plan import encoder_plan
 from server.engine.outputs import ModelRunnerOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
@@ -40,7 +41,6 @@ from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logp
 from server.engine.worker.sleep import DeviceMemory, WeightLoader
 from server.engine.worker.state_plan import plan_state_cache
 from server.hpu.buckets.adaptive import AdaptiveBuckets
-from server.hpu.buckets.encoder import max_encoder_images
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
 from server.hpu.buckets.plan import (
     decode_buckets,
@@ -61,6 +61,7 @@ from server.hpu.warmup import WarmupHooks, run_warmup
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import LoadedModel
 from server.models.lora import LoRASlots, SlotWriter
+from server.models.vision import with_processor_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -154,12 +155,13 @@ class ModelRunner:
         # a vision-language model: the encoder phase of prefills, its buckets and cache
         self.vision: VisionEncoder | None = None
         if loaded.vision is not None:
-            self.vision = VisionEncoder(
-                loaded.vision, mode, self.counters, platform.device, loaded.dtype,
-                max_images=max_encoder_images(
-                    config.multimodal.image_limit, limits.max_num_seqs,
-                    limits.max_num_batched_tokens, loaded.vision.config.tokens_per_image),
-                cache_images=config.multimodal.mm_encoder_cache_images)
+            mm = config.multimodal
+            plan = encoder_plan(with_processor_kwargs(loaded.vision.config, mm.processor_kwargs),
+                                mm.image_limit, limits.max_num_seqs,
+                                limits.max_num_batched_tokens)
+            self.vision = VisionEncoder(loaded.vision, plan, mode, self.counters,
+                                        platform.device, loaded.dtype,
+                                        cache_images=mm.mm_encoder_cache_images)
             logger.info("%s", self.vision.describe())
         # --speculative-config draft_model: the draft runs the target's layer ops (one
         # input layout for both) and holds the target's blocks in its own cache
@@ -189,7 +191,8 @@ class ModelRunner:
                                    self.kv_cache_bytes)
         self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
                                    loaded.dtype, limits.max_model_len, ops.decode_layout,
-                                   self.state.pad_slot if self.state is not None else None)
+                                   self.state.pad_slot if self.state is not None else None,
+                                   mrope=cfg.mrope_section is not None)
         graphs: ShapeRunner = platform.graph_runner(
             mode, ModelForward(loaded.model, self.kv_caches, self.state_caches),
             self.counters, loaded.model, config.device)

@@ -169,10 +169,6 @@ def text_tensor_name(name: str) -> str:
     return name
 
 
-def build_vision(cfg: VisionConfig) -> LlavaVision:
-    return LlavaVision(cfg)
-
-
 def load_vision(module: LlavaVision, tensors: dict[str, torch.Tensor], where: str,
                 dry_run: bool = False) -> None:
     """Copies the tower's and projector's tensors in; unused tower layers (past the selected
