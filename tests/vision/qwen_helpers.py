@@ -56,6 +56,16 @@ class QwenReference:
                                       min_new_tokens=max_new_tokens, **extra)
         return out[0, ids.shape[1]:].tolist()
 
+    def with_bounds(self, min_pixels: int, max_pixels: int) -> QwenReference:
+        """The same model, its processor's resize bounds changed (--mm-processor-kwargs)."""
+        import transformers
+
+        ip = self.image_processor
+        return QwenReference(self.model, transformers.Qwen2VLImageProcessorPil(
+            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=ip.patch_size,
+            temporal_patch_size=ip.temporal_patch_size, merge_size=ip.merge_size),
+            self.tokenizer)
+
     def text(self, prompt: str, images: list, max_new_tokens: int) -> str:
         return self.tokenizer.decode(self.ids(prompt, images, max_new_tokens),
                                      skip_special_tokens=True)

@@ -29,7 +29,7 @@ from server.engine.multimodal.inputs import ImageSpan
 from server.engine.multimodal.plan import EncoderPlan
 from server.hpu.counters import DeviceCounters
 from server.hpu.types import SyncPoint
-from server.models.vision import VisionModule
+from server.models.vision import QwenVision, VisionModule
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,15 @@ class VisionEncoder:
         self.cache = EncoderCache(cache_images, counters.model_name, counters.registry)
         self.compiled = mode is not ExecutionMode.EAGER
         self.batches = image_batches(vision, plan, self.compiled, device, dtype)
-        self._run = (torch.compile(vision, backend=self._counting_backend, dynamic=False)
-                     if self.compiled else vision)
+        self._run: Any = vision
+        if self.compiled and isinstance(vision, QwenVision):
+            # Regional compilation: the blocks share one compiled graph per bucket (the
+            # window or full mask an input), the rest runs as it is; a whole-tower graph
+            # would cost several times the compile time for the same shapes.
+            for block in vision.blocks:
+                block.compile(backend=self._counting_backend, dynamic=False)
+        elif self.compiled:
+            self._run = torch.compile(vision, backend=self._counting_backend, dynamic=False)
 
     def _counting_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.counters.compiled(SyncPoint.ENCODER)

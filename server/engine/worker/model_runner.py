@@ -167,6 +167,9 @@ class ModelRunner:
         # input layout for both) and holds the target's blocks in its own cache
         draft_block_bytes = 0
         if draft is not None:
+            if cfg.mrope_section is not None:  # the draft's RoPE reads plain positions
+                raise ValueError("--speculative-config draft_model: not with an M-RoPE "
+                                 "model (Qwen2.5-VL) yet")
             if config.device.enable_sleep_mode:
                 raise ValueError("--speculative-config draft_model: not with "
                                  "--enable-sleep-mode yet")
