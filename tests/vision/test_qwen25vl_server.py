@@ -79,7 +79,8 @@ def test_compile_mode_through_the_sdk_compiles_nothing_while_serving(
         tiny_qwen25vl, start_server_fn, tmp_path) -> None:
     folder, ref = tiny_qwen25vl
     buckets = tmp_path / "buckets.txt"
-    buckets.write_text("# prompt buckets\n(1, [48, 96], 0)\n"
+    # (1, 96, 1): the prompts share their first block (the chat prefix before the image)
+    buckets.write_text("# prompt buckets\n(1, [48, 96], 0)\n(1, [96], 1)\n"
                        "# decode buckets\n([1, 2], 1, [8, 32])\n")
     bounds = '{"min_pixels": 1024, "max_pixels": 2048}'
     srv = start_server_fn(folder, "--dtype", "float32", "--block-size", "8",
