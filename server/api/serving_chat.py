@@ -13,7 +13,13 @@ from server.api.answer_json import answer_bytes
 from server.api.beam_search import beam_params, submit_beam_search
 from server.api.chat_output import ChoiceReader, DeltaParts
 from server.api.errors import APIError
-from server.api.media.chat import check_images, load_images, with_image_parts
+from server.api.media.chat import (
+    ImageRef,
+    check_images,
+    image_refs,
+    load_images,
+    with_image_parts,
+)
 from server.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -103,10 +109,11 @@ def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest,
         raise APIError(400, str(exc), "messages") from None
 
 
-async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag
-                     ) -> ChatRun:
+async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: RequestTag,
+                     images: list[ImageRef] | None = None) -> ChatRun:
     """Checks ``req``, renders its prompt (on a worker) and queues it: 400s, 429s and 503s
-    are raised here, before anything is answered."""
+    are raised here, before anything is answered. ``images``: ``req``'s image parts as
+    the client's API names them (the Messages and Responses APIs); chat's own by default."""
     refuse_generation(ctx)
     lora = check_model(ctx, req.model)
     reject_unsupported(req, chat=True)
@@ -126,15 +133,18 @@ async def start_chat(ctx: ServingContext, req: ChatCompletionRequest, tag: Reque
     plan = plan_tools(req, ctx.chat, ctx.tool_parser)
     checked_template_kwargs(req.chat_template_kwargs)  # refused here, before it queues
     vision = ctx.engine.vision
-    images = check_images(vision, req)  # counted and refused here; fetched on the worker
+    own = image_refs(req)
+    assert images is None or len(images) == len(own), "one name per image part"
+    # counted and refused here; fetched on the worker
+    refs = check_images(vision, own if images is None else images)
     vocab = ctx.engine.tokenizer.vocab_size
     params = build_sampling_params(req, requested_max, logprobs, vocab,
                                    prompt_logprobs_of(ctx.limits, req, vocab),
                                    defaults=ctx.sampling_defaults)
 
     def build() -> PromptInput:  # on a worker, with the engine's checks: long prompts
-        pixels = load_images(images, vision) if images and vision is not None else ()
-        text, ids = render_chat_prompt(ctx, req, plan.tools, bool(images))
+        pixels = load_images(refs, vision) if refs and vision is not None else ()
+        text, ids = render_chat_prompt(ctx, req, plan.tools, bool(refs))
         return PromptInput(ids, _with_tool_constraint(ctx, params, plan, text), pixels)
 
     # the tap reads n and max_tokens, which the tool constraint leaves as they are

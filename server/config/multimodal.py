@@ -15,31 +15,6 @@ MODALITIES = ("image",)
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 
 
-# what --mm-processor-kwargs may set: the resize bounds of dynamic-resolution processors
-PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
-
-
-def parse_processor_kwargs(text: str) -> dict[str, int]:
-    """``--mm-processor-kwargs``: vLLM's JSON object of processor settings, e.g.
-    ``{"min_pixels": 3136, "max_pixels": 1003520}``."""
-    if not text:
-        return {}
-    try:
-        data = json.loads(text)
-    except ValueError:
-        raise ValueError(f"--mm-processor-kwargs {text}: expected JSON such as "
-                         "'{\"max_pixels\": 1003520}'") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--mm-processor-kwargs {text}: expected a JSON object")
-    for key, value in data.items():
-        if key not in PROCESSOR_KWARGS:
-            raise ValueError(f"--mm-processor-kwargs: {key!r} is not supported (supported: "
-                             f"{', '.join(PROCESSOR_KWARGS)})")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"--mm-processor-kwargs: {key} must be a pixel count >= 1")
-    return data
-
-
 def parse_mm_limits(text: str) -> dict[str, int]:
     """``--limit-mm-per-prompt``: vLLM's JSON object, e.g. ``{"image": 2}``."""
     try:
@@ -62,6 +37,21 @@ def parse_mm_limits(text: str) -> dict[str, int]:
     return limits
 
 
+def parse_processor_kwargs(text: str) -> dict[str, object]:
+    """``--mm-processor-kwargs``: vLLM's JSON object of settings for the checkpoint's
+    processor, e.g. ``{"do_pan_and_scan": false}``; empty: none."""
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--mm-processor-kwargs {text}: expected JSON such as "
+                         "'{\"do_pan_and_scan\": false}'") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--mm-processor-kwargs {text}: expected a JSON object")
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class MultiModalConfig:
     """What a request's images may be: how many per prompt, where from, how large."""
@@ -72,9 +62,10 @@ class MultiModalConfig:
              "sizes the vision encoder's buckets")
     mm_processor_kwargs: str = flag(
         "", group=GROUP, metavar="JSON",
-        help="settings of the model's image processor, as JSON (vLLM's flag): min_pixels "
-             "and max_pixels bound a dynamic-resolution model's image sizes (Qwen2.5-VL), "
-             "and so its encoder buckets")
+        help="settings of the checkpoint's image processor, as JSON (vLLM's flag); each "
+             "must be one the processor has, and the engine must serve it (Gemma 3's "
+             "do_pan_and_scan: true is refused); Qwen2.5-VL: min_pixels / max_pixels, the "
+             "image size bounds that also size its encoder buckets")
     allowed_local_media_path: str = flag(
         "", group=GROUP, metavar="DIR",
         help="a folder whose files requests may name as file:// image URLs (unset: none)")
@@ -108,7 +99,7 @@ class MultiModalConfig:
         return parse_mm_limits(self.limit_mm_per_prompt)
 
     @property
-    def processor_kwargs(self) -> dict[str, int]:
+    def processor_kwargs(self) -> dict[str, object]:
         return parse_processor_kwargs(self.mm_processor_kwargs)
 
     @property

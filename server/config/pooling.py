@@ -7,7 +7,9 @@ generative checkpoint as a pooling model, and the older ``--task`` spelling maps
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from server.config.fields import flag
 
@@ -68,8 +70,33 @@ class PoolingConfig:
         None, group=POOLING, choices=tuple(_TASKS),
         help="vLLM's older spelling: embed = --runner pooling --convert embed, "
              "classify/score = --convert classify, reward = --convert reward")
+    hf_overrides: str | None = flag(
+        None, group=POOLING,
+        help="JSON object of config.json fields set over the checkpoint's (vLLM's "
+             "--hf-overrides; pooling runner only), e.g. Qwen3-Reranker scored by its "
+             "yes/no token logits: '{\"architectures\": "
+             "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
+             "\"yes\"], \"is_original_qwen3_reranker\": true}'")
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """--hf-overrides as a dict (empty when unset)."""
+        if not self.hf_overrides:
+            return {}
+        try:
+            value = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf-overrides is no JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--hf-overrides must be a JSON object of config.json fields")
+        return value
 
     def __post_init__(self) -> None:
+        value: Any = self.hf_overrides
+        if value is not None and not isinstance(value, str):
+            # the offline API's dict (LLM(hf_overrides={...})): kept as JSON text
+            object.__setattr__(self, "hf_overrides", json.dumps(dict(value)))
+        _ = self.overrides  # a bad JSON stops start-up here, in one line
         try:
             runner, convert = Runner(self.runner), Convert(self.convert)
         except ValueError:

@@ -25,7 +25,7 @@ from server.engine.iteration_stats import IterationTokens
 from server.engine.lora.registry import LoRARegistry
 from server.engine.lora.request import LoRARequest
 from server.engine.multimodal.inputs import VisionInfo
-from server.engine.multimodal.processor import ImageInputProcessor
+from server.engine.multimodal.prompts import image_prompts
 from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
 from server.engine.request_state import RequestState
@@ -51,7 +51,6 @@ from server.models.loader import (
     resolve_model_source,
 )
 from server.models.lora import AdapterError
-from server.models.vision import with_processor_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +109,19 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             loaded.config.eos_token_ids)
+        # a vision-language model: its processor (before warmup: settings it refuses stop
+        # start-up early), and what the API needs to know of it
+        mm = config.multimodal
+        self.vision: VisionInfo | None = None
+        images = None
+        if loaded.vision is not None:
+            images = image_prompts(source.folder, loaded.vision.config, mm.image_limit,
+                                   mm.processor_kwargs)
+            self.vision = VisionInfo(mm.image_limit, mm.allowed_local_media_path,
+                                     mm.image_fetch_timeout, mm.max_image_bytes,
+                                     mm.max_image_pixels)
+        elif mm.processor_kwargs:
+            logger.warning("--mm-processor-kwargs: ignored, %s takes no images", source.name)
         self.runner = build_model_runner(
             config, platform, source, loaded, parallel, self.eos_token_ids,
             self.executor.broadcasting if self.executor is not None else None,
@@ -142,17 +154,6 @@ class LLMEngine:
         self._structured: StructuredOutputs | None = None
         self._structured_config = config.structured_outputs
         self._structured_lock = threading.Lock()
-        # a vision-language model: its processor, and what the API needs to know of it
-        mm = config.multimodal
-        self.vision: VisionInfo | None = None
-        images = None
-        if loaded.vision is not None:
-            images = ImageInputProcessor(
-                source.folder, with_processor_kwargs(loaded.vision.config, mm.processor_kwargs),
-                mm.image_limit)
-            self.vision = VisionInfo(mm.image_limit, mm.allowed_local_media_path,
-                                     mm.image_fetch_timeout, mm.max_image_bytes,
-                                     mm.max_image_pixels)
         self.input_processor = InputProcessor(self.tokenizer, loaded.config.vocab_size,
                                               self.limits, block_size, self.runner.num_blocks,
                                               self.structured_outputs, images)

@@ -279,13 +279,30 @@ def _generation_config_eos(path: str) -> tuple[int, ...]:
     return tuple(int(i) for i in items if isinstance(i, int))
 
 
+def _from_gguf(folder: str, gguf_file: str) -> Any:
+    """transformers' tokenizer of a GGUF file's vocabulary. AutoTokenizer picks its class from
+    the file's config, which transformers reads only for the architectures it runs; for the
+    others (deepseek2, llama4...), and where its reader of the config fails (transformers
+    5.x on a gpt-oss file with YaRN keys: a TypeError), the same vocabulary converts into
+    the generic fast tokenizer (a broken vocabulary still fails there)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    except (ValueError, TypeError) as exc:
+        logger.info("transformers reads no config from %s (%s): its vocabulary becomes a "
+                    "generic fast tokenizer", gguf_file, exc)
+    return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=gguf_file,
+                                                   local_files_only=True)
+
+
 def _gguf_tokenizer(folder: str, gguf_file: str, cache_dir: str | Path | None) -> Any:
     """transformers' tokenizer of a GGUF file, through the converted-files cache if given."""
     import transformers
     from transformers import AutoTokenizer
 
     if cache_dir is None:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+        return _from_gguf(folder, gguf_file)
     source = Path(folder, gguf_file).resolve()
     stat = source.stat()
     key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}|"
@@ -293,7 +310,7 @@ def _gguf_tokenizer(folder: str, gguf_file: str, cache_dir: str | Path | None) -
     cached = Path(cache_dir) / f"{source.stem}-{key}"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-    hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    hf = _from_gguf(folder, gguf_file)
     try:  # a cache that cannot be written only costs the next start the conversion again
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cache_dir))

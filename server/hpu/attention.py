@@ -26,6 +26,14 @@ Chunked local attention (``chunk``, per layer: Llama 4's RoPE layers) splits pos
 chunks of ``chunk`` tokens: the query at position p sees keys at positions k with
 ``k // chunk == p // chunk`` and ``k <= p``. It combines with a window the same way (both
 masks apply), over the same static shapes.
+
+Bidirectional image tokens (``image_ends``, Gemma 3's prefills): a query inside an image
+also sees the image's later tokens, as transformers' ``token_type_ids`` mask lets it. Each
+query carries the (exclusive) end position of its image, 0 for a text token, and sees key k
+where the causal (windowed) rule allows it or where ``p < k < end``. A window still bounds
+what lies before the query, never the image's own later tokens (transformers' rule for
+sliding layers: the window and, within it, causal or same-image). The scheduler keeps an
+image's tokens in one prefill chunk, so every key such a query sees is in the step.
 """
 
 from __future__ import annotations
@@ -74,6 +82,9 @@ class AttentionMetadata:
     # several sequences packed back to back in one row of tokens (eager CPU, no padding):
     # each token is a row of the paged kernel, nothing else can attend over them
     packed: bool = False
+    # prefill of a model whose image tokens attend to each other both ways (Gemma 3):
+    # [bs * q] the end position (exclusive) of each query's image, 0 for text tokens
+    image_ends: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.slot_block is None:
@@ -110,6 +121,15 @@ def window_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int |
     return visible
 
 
+def _image_visible(visible: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                   image_ends: torch.Tensor | None) -> torch.Tensor:
+    """``visible`` widened by each image query's view of its image's later tokens
+    (``query_pos < key_pos < image_end``); the position tensors broadcast as there."""
+    if image_ends is None:
+        return visible
+    return visible | ((key_pos > query_pos) & (key_pos < image_ends))
+
+
 def _chunk_masked(distance: torch.Tensor, query_pos: torch.Tensor, chunk: int) -> torch.Tensor:
     """Where a key at ``distance`` (key - query position, <= 0 where visible) from a query at
     ``query_pos`` lies before the query's chunk: ``distance < -(query_pos % chunk)``."""
@@ -130,14 +150,15 @@ def _block_query_pos(meta: AttentionMetadata, bs: int) -> torch.Tensor:
 def prompt_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
     softcap: float | None = None, window: int | None = None, chunk: int | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, image_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a right-padded ``[bs, q]`` batch with no prior context.
 
     query ``[bs, q, Hq, D]``, key/value ``[bs, q, Hkv, D]`` -> ``[bs, q, Hq, D]``. A causal
     mask alone is enough: real tokens sit left of the padding and so never see it; pad rows
     compute finite garbage that nobody reads. Every row starts at position 0, so one
-    ``[q, q]`` mask serves the batch when a window applies.
+    ``[q, q]`` mask serves the batch when a window applies; ``image_ends`` ``[bs, q]``
+    (bidirectional image tokens) make it one ``[q, q]`` mask per row.
     """
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
@@ -151,9 +172,12 @@ def prompt_attention(
     # else the window (chunk) covers every prompt here
     window = window if window is not None and window < q_len else None
     chunk = chunk if chunk is not None and chunk < q_len else None
-    if window is not None or chunk is not None:
+    if window is not None or chunk is not None or image_ends is not None:
         pos = torch.arange(q_len, device=q.device)
         mask = window_visible(pos.view(-1, 1), pos.view(1, -1), window, chunk)
+        if image_ends is not None:  # [bs, 1, q, q]: each row's images
+            mask = _image_visible(mask, pos.view(-1, 1), pos.view(1, -1),
+                                  image_ends.view(-1, 1, q_len, 1))
     if softcap is None and sinks is None:
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -187,6 +211,7 @@ def paged_prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, softcap: float | None = None,
     window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
+    image_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill queries ``[bs, q, Hq, D]`` after a cached prefix: each row attends to its
     whole sequence in the cache (the prefix, and its own keys written just before), causally
@@ -220,8 +245,11 @@ def paged_prefill_attention(
     # otherwise see no key at all, and the NaN of an empty softmax would reach the padding
     # block through their values, then every query that multiplies it by a zero weight.
     query_pos = torch.minimum(query_pos, meta.total_lens.view(bs, 1) - 1)
-    visible = (window_visible(query_pos.unsqueeze(-1), key_pos.view(1, 1, -1), window, chunk)
-               & (key_pos.view(1, 1, -1) < meta.total_lens.view(bs, 1, 1))).unsqueeze(1)
+    visible = window_visible(query_pos.unsqueeze(-1), key_pos.view(1, 1, -1), window, chunk)
+    if image_ends is not None:  # [bs, q]
+        visible = _image_visible(visible, query_pos.unsqueeze(-1), key_pos.view(1, 1, -1),
+                                 image_ends.view(bs, q_len, 1))
+    visible = (visible & (key_pos.view(1, 1, -1) < meta.total_lens.view(bs, 1, 1))).unsqueeze(1)
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
         return out.transpose(1, 2)

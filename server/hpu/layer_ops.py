@@ -97,19 +97,32 @@ class TorchLayerOps:
         ``[bs * q, Hkv, D]`` -> ``[bs * q, Hq, D]``; ``softcap``: Gemma 2's score cap;
         ``window``: the layer's sliding window (None: global attention); ``chunk``: the
         layer's attention chunk (Llama 4; None: not chunked); ``sinks``: gpt-oss's per-head
-        sink logits ``[Hq]`` (None: none)."""
+        sink logits ``[Hq]`` (None: none). ``meta.image_ends`` (Gemma 3): image tokens
+        see their image's later tokens too."""
+        return self.masked_prompt_attention(query, key, value, kv_cache[0], kv_cache[1], meta,
+                                            bs, scale, softcap, window, chunk, sinks)
+
+    @staticmethod
+    def masked_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                meta: AttentionMetadata, bs: int, scale: float,
+                                softcap: float | None, window: int | None, chunk: int | None,
+                                sinks: torch.Tensor | None) -> torch.Tensor:
+        """The PyTorch prefill paths, keys read from ``k_cache`` ``[blocks, Hkv, B, D]``
+        (a view of it, where a backend stores them otherwise) after a cached context."""
         tokens, heads, dim = query.shape
         q_len = tokens // bs
+        ends = meta.image_ends
         if meta.context_lens is not None:  # after a context in the cache: read it there
-            out = paged_prefill_attention(query.view(bs, q_len, heads, dim), kv_cache[0],
-                                          kv_cache[1], meta, scale, softcap, window, chunk,
-                                          sinks=sinks)
+            out = paged_prefill_attention(query.view(bs, q_len, heads, dim), k_cache, v_cache,
+                                          meta, scale, softcap, window, chunk, sinks=sinks,
+                                          image_ends=ends)
             return out.reshape(tokens, heads, dim)
         # no context beyond the prompt itself: the fresh k / v suffice
         out = prompt_attention(query.view(bs, q_len, heads, dim),
                                key.view(bs, q_len, key.shape[1], dim),
                                value.view(bs, q_len, value.shape[1], dim), scale, softcap,
-                               window, chunk, sinks=sinks)
+                               window, chunk, sinks=sinks, image_ends=ends)
         return out.reshape(tokens, heads, dim)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,

@@ -4,7 +4,8 @@ gguf_quants.py.
 
 Families follow llama.cpp's converter (convert_hf_to_gguf.py): "llama" (Mistral too; with
 expert tensors: Mixtral), "qwen2", "qwen3", "qwen3moe", "granite", "phi3" (Phi-4-mini's
-partial rotary included), "gemma2", "gemma3" (text).
+partial rotary included), "gemma2", "gemma3" (text), "llama4" (text); "deepseek2",
+"gpt-oss" and "qwen3next" in gguf_families.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from server.models.config import ModelConfig
 from server.models.errors import model_file_error
 from server.models.gguf_check import check_gguf
+from server.models.gguf_families import deepseek2_fields, gpt_oss_fields, qwen3next_fields
 from server.models.gguf_quants import (  # noqa: F401  (re-exported: the loader's one import)
     GROUP_SIZE,
     INT4_TYPES,
@@ -146,6 +148,12 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         fields.update(_gemma_fields(h, fields))
     if family.llama4:
         fields.update(_llama4_fields(h, fields["num_layers"]))
+    if family.mla:
+        fields.update(deepseek2_fields(h, fields))
+    if family.gpt_oss:
+        fields.update(gpt_oss_fields(h, fields))
+    if family.hybrid:
+        fields.update(qwen3next_fields(h, fields, names))
     return ModelConfig(**fields)
 
 

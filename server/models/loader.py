@@ -47,7 +47,7 @@ from server.models.vision import (
     AnyVisionConfig,
     QwenVisionConfig,
     VisionFamily,
-    VisionModule,
+    VisionModel,
     build_vision,
     load_vision,
     vision_config_of,
@@ -181,7 +181,7 @@ class LoadedModel:
     # tensor parallelism: which slices this rank holds (None: the whole model)
     plan: ShardPlan | None = None
     # a vision-language checkpoint's tower and projector (None: text only)
-    vision: VisionModule | None = None
+    vision: VisionModel | None = None
 
 
 def load_model(source: ModelSource, dtype: str, device: torch.device,
@@ -193,9 +193,6 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     reader = _gguf_reader(source) if source.is_gguf else None
     full_cfg = gguf_model_config(reader) if reader is not None else load_model_config(source)
     vision_cfg = load_vision_config(source)
-    if vision_cfg is not None and parallel.world_size > 1:
-        raise ValueError("vision-language models do not support --tensor-parallel-size > 1 "
-                         "yet")
     check_checkpoint(source, full_cfg, reader, vision_cfg)  # before anything is allocated
     torch_dtype = resolve_dtype(dtype, full_cfg, source, device.type)
     with torch.device("meta"):
@@ -210,23 +207,27 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
     model.rotary, model.rotary_local = model.build_rotary(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    split = VisionSplit(vision_cfg.family if vision_cfg is not None else None)
+    # Under tensor parallelism the vision tower runs on rank 0 only (its rows travel with
+    # each prefill's order, server/engine/executor/base.py): the other ranks skip it.
+    split = VisionSplit(vision_cfg.family if vision_cfg is not None else None,
+                        keep=parallel.is_driver)
     if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
         # the rank's bytes only
-        tensors = plan.read(text_part(safetensors_slices(Path(source.folder)), cfg, log=True))
+        slices = text_part(safetensors_slices(Path(source.folder)), cfg, log=True)
+        tensors = plan.read(split.text(slices) if vision_cfg is not None else slices)
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
                    else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
         if vision_cfg is not None:  # the vision tower's tensors kept aside
             tensors = split.text(tensors)
-        tensors = _canonical(tensors, cfg)
+        tensors = _canonical(tensors, cfg, gguf=reader is not None)
         if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
             # gpt-oss's interleaved experts)
             tensors = plan.shard(tensors)
     load_into(model, tensors, _origin(source))
     model.eval()
     vision = None
-    if vision_cfg is not None:
+    if vision_cfg is not None and parallel.is_driver:
         vision = build_vision(vision_cfg).to(device)
         load_vision(vision, split.vision, source.folder)
         vision.to(torch_dtype).eval()
@@ -254,21 +255,23 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
 
 class VisionSplit:
     """Parts a vision-language checkpoint's tensor stream: the language model's tensors
-    pass on under the Llama loader's names, the vision tower's are kept aside."""
+    (or lazy slices) pass on under the Llama loader's names, the vision tower's are kept
+    aside, read whole (``keep``; else dropped unread: a rank that runs no encoder)."""
 
-    def __init__(self, family: VisionFamily | None) -> None:
+    def __init__(self, family: VisionFamily | None, keep: bool = True) -> None:
         self.family = family
+        self.keep = keep
         self.vision: dict[str, torch.Tensor] = {}
 
-    def text(self, tensors: Iterator[tuple[str, torch.Tensor]]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+    def text(self, tensors: Iterator[tuple[str, T]]) -> Iterator[tuple[str, T]]:
         for name, tensor in tensors:
             vision_name = (vision_tensor_name(self.family, name) if self.family is not None
                            else None)
-            if vision_name is not None:
-                self.vision[vision_name] = tensor
-            else:
+            if vision_name is None:
                 yield text_tensor_name(name), tensor
+            elif self.keep:  # a lazy slice (safetensors' get_slice) is read whole here
+                self.vision[vision_name] = (tensor if isinstance(tensor, torch.Tensor)
+                                            else tensor[:])  # type: ignore[index]
 
 
 def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:
@@ -308,18 +311,20 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
         split = VisionSplit(vision_cfg.family if vision_cfg is not None else None)
         if vision_cfg is not None:
             tensors = split.text(tensors)
-        load_into(model, _canonical(tensors, cfg), origin, dry_run=True)
+        load_into(model, _canonical(tensors, cfg, gguf=reader is not None), origin,
+                  dry_run=True)
         if vision_cfg is not None:
             load_vision(build_vision(vision_cfg), split.vision, source.folder, dry_run=True)
 
 
-def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
-               ) -> Iterator[tuple[str, torch.Tensor]]:
+def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig,
+               gguf: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole checkpoint tensors as the loader names and lays them out: quantized layers
-    dequantized, gpt-oss's router and experts mapped (gpt_oss.py)."""
+    dequantized, gpt-oss's router and experts mapped (gpt_oss.py). A GGUF file's tensors
+    come named and laid out so already (gguf_tensors.py)."""
     if cfg.quant is not None:
         tensors = dequantized(tensors, cfg.quant)
-    if cfg.model_type == "gpt_oss":
+    if cfg.model_type == "gpt_oss" and not gguf:
         tensors = gpt_oss_tensors(tensors, dequantized=cfg.quant is not None)
     return tensors
 

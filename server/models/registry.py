@@ -76,21 +76,23 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "llama", moe=True, moe_renormalize=True),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", qk_norm=True, moe=True,
                  gguf_permuted_qk=False),
-    # no GGUF: llama.cpp's deepseek2 export splits kv_b_proj into per-head k_b / v_b
-    # tensors the gguf reader here does not map (yet)
-    Architecture("DeepseekV2ForCausalLM", "deepseek_v2", None, moe=True, mla=True),
-    Architecture("DeepseekV3ForCausalLM", "deepseek_v3", None, moe=True, mla=True),
-    # no GGUF: the installed gguf package cannot write its MXFP4 tensors (see docs/models.md)
-    Architecture("GptOssForCausalLM", "gpt_oss", None, moe=True, moe_renormalize=True,
+    # llama.cpp exports both as "deepseek2" (its q/k rows as they are); the header's gating
+    # function tells them apart (gguf_families.py), the V3 entry answers for the name
+    Architecture("DeepseekV2ForCausalLM", "deepseek_v2", None, moe=True, mla=True,
+                 gguf_permuted_qk=False),
+    Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek2", moe=True, mla=True,
+                 gguf_permuted_qk=False),
+    Architecture("GptOssForCausalLM", "gpt_oss", "gpt-oss", moe=True, moe_renormalize=True,
                  gguf_permuted_qk=False, gpt_oss=True),
     # llama.cpp's converter keeps Llama 4's (interleaved-RoPE) q/k rows as they are
     Architecture("Llama4ForCausalLM", "llama4_text", "llama4", gguf_permuted_qk=False, moe=True,
                  llama4=True),
     Architecture("Llama4ForConditionalGeneration", "llama4", None, gguf_permuted_qk=False,
                  moe=True, llama4=True, text_part=True),
-    # llama.cpp's "qwen3next" files are not read (no GGUF name: refused as unsupported)
-    Architecture("Qwen3NextForCausalLM", "qwen3_next", None, qk_norm=True, moe=True,
-                 hybrid=True),
+    # llama.cpp's "qwen3next" (its q/k rows as they are); its "qwen35" / "qwen35moe" files
+    # are not read (no GGUF name below: refused as unsupported)
+    Architecture("Qwen3NextForCausalLM", "qwen3_next", "qwen3next", qk_norm=True, moe=True,
+                 hybrid=True, gguf_permuted_qk=False),
     # Qwen3.5's text models: Qwen3-Next's layers (text positions make its M-RoPE plain
     # RoPE), dense MLPs, or experts with a shared expert and always renormalised top-k
     Architecture("Qwen3_5ForCausalLM", "qwen3_5_text", None, qk_norm=True, hybrid=True,

@@ -14,6 +14,7 @@ from test_llama import assert_logits_match
 from test_sliding_window import hf_greedy
 
 from server import LLM, SamplingParams
+from tests.recording_sampler import RecordingSampler
 
 CHUNK = 8
 # prefilled together as one padded batch, then decoded 14 steps: up to 55 tokens, 7 chunks
@@ -150,17 +151,6 @@ def test_greedy_tokens_match_transformers_with_prefix_caching(tiny_model_factory
     assert llm.engine.stats().prefix_cache_hits >= 40
     assert got == hf_greedy(hf_model, follow_up, 20)
 
-
-class RecordingSampler:
-    """The engine's sampler, keeping each step's logits."""
-
-    def __init__(self, inner) -> None:  # noqa: ANN001 - server.engine.worker.sampler.Sampler
-        self.inner = inner
-        self.logits: list[torch.Tensor] = []
-
-    def __call__(self, logits: torch.Tensor, t):  # noqa: ANN001, ANN204
-        self.logits.append(logits.detach().float().clone())
-        return self.inner(logits, t)
 
 
 def assert_engine_matches_transformers(llm: LLM, hf_model: torch.nn.Module,

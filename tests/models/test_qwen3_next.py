@@ -15,6 +15,7 @@ from server.engine.sampling_params import SamplingParams
 from server.hpu.kv_cache import allocate_kv_cache
 from server.hpu.state_cache import allocate_state_cache
 from server.models.loader import load_model, resolve_model_source
+from tests.recording_sampler import RecordingSampler
 
 BLOCK = 4
 # prefilled together as one right-padded batch: rows of very different lengths, the longest
@@ -246,17 +247,6 @@ def test_no_slot_or_block_left_after_aborts_and_preemption(tiny_model_factory,
     assert completed == want
 
 
-class RecordingSampler:
-    """Rank 0's sampler, keeping a copy of every step's logits."""
-
-    def __init__(self, inner) -> None:  # noqa: ANN001 - the engine's Sampler
-        self.inner = inner
-        self.logits: list[torch.Tensor] = []
-
-    def __call__(self, logits: torch.Tensor, t):  # noqa: ANN001, ANN204
-        self.logits.append(logits.detach().float().clone())
-        return self.inner(logits, t)
-
 
 def engine_greedy(folder: str, tp: int, prompts: list[list[int]], max_tokens: int
                   ) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -334,16 +324,15 @@ def test_shard_plan_splits_the_delta_net_heads(tiny_model_factory, family: str) 
         ShardPlan.build(cfg, 0, 4)
 
 
-def test_gguf_qwen3next_files_are_refused(tmp_path) -> None:
-    """llama.cpp's qwen3next GGUF layout is not read: a clear start-up error, not a
-    half-built model."""
+def test_gguf_qwen35_files_are_refused(tmp_path) -> None:
+    """llama.cpp's qwen35 GGUF layout is not read (qwen3next is: test_gguf_frontier.py): a
+    clear start-up error, not a half-built model."""
     from gguf_files import header_only_gguf
 
     from server.models.gguf import gguf_model_config, open_gguf
 
-    path = header_only_gguf(tmp_path / "q.gguf", "qwen3next", block_count=4,
-                            expert_count=6)
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen3next'"):
+    path = header_only_gguf(tmp_path / "q.gguf", "qwen35", block_count=4)
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen35'"):
         gguf_model_config(open_gguf(str(path)))
 
 
@@ -372,8 +361,9 @@ def test_state_cache_comes_out_of_the_kv_budget(tiny_model_factory) -> None:
 
     folder = tiny_model_factory(**QWEN3_NEXT)[0]
     budget = 2**20  # a budget small enough to bind (the environment variable is in GiB)
+    # the CPU platform, whose budget is that variable (an accelerator's is its free memory)
     llm = LLM(folder, dtype="float32", block_size=4, max_num_seqs=16, max_model_len=256,
-              environ={"VLLM_CPU_KVCACHE_SPACE": str(budget / 2**30)})
+              device="cpu", environ={"VLLM_CPU_KVCACHE_SPACE": str(budget / 2**30)})
     runner = llm.engine.runner
     cfg = runner.model.config
     assert len(runner.kv_caches) == cfg.num_kv_layers == 1
@@ -413,7 +403,7 @@ def test_a_budget_the_state_cache_fills_is_a_clear_error(tiny_model_factory) -> 
     folder = tiny_model_factory(**QWEN3_NEXT)[0]
     with pytest.raises(RuntimeError, match="the state cache .*lower --max-num-seqs"):
         LLM(folder, dtype="float32", block_size=4, max_num_seqs=64, max_model_len=64,
-            environ={"VLLM_CPU_KVCACHE_SPACE": str(2**19 / 2**30)})
+            device="cpu", environ={"VLLM_CPU_KVCACHE_SPACE": str(2**19 / 2**30)})
 
 
 def test_chunked_rule_equals_the_token_by_token_one() -> None:

@@ -39,8 +39,9 @@ def bert_tokenizer(folder: Path):
 
 
 def save_hf(folder: Path, kind: str, classify: bool = False, num_labels: int = 1,
-            seed: int = 0) -> None:
-    """A random ``kind`` (bert, xlm-roberta, qwen3) checkpoint with its tokenizer."""
+            seed: int = 0, config_kwargs: dict | None = None) -> None:
+    """A random ``kind`` (bert, xlm-roberta, modernbert, qwen3) checkpoint with its
+    tokenizer; ``config_kwargs`` go to the config as they are."""
     import torch
     import transformers as tf
 
@@ -65,6 +66,16 @@ def save_hf(folder: Path, kind: str, classify: bool = False, num_labels: int = 1
         if kind == "bert":
             cfg = tf.BertConfig(max_position_embeddings=128, **common)
             cls = tf.BertForSequenceClassification if classify else tf.BertModel
+        elif kind == "modernbert":
+            # 4 layers: global, local, local, global; a local token sees 4 positions either
+            # side, so the test texts (longer than that) tell the two kinds apart
+            cfg = tf.ModernBertConfig(
+                vocab_size=len(tok), hidden_size=64, intermediate_size=96,
+                num_hidden_layers=4, num_attention_heads=4, num_labels=num_labels,
+                max_position_embeddings=128, local_attention=8, global_attn_every_n_layers=3,
+                pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2,
+                eos_token_id=3, **(config_kwargs or {}))
+            cls = tf.ModernBertForSequenceClassification if classify else tf.ModernBertModel
         else:  # positions start after the padding id (0 here: the WordPiece [PAD])
             cfg = tf.XLMRobertaConfig(max_position_embeddings=130, pad_token_id=0,
                                       type_vocab_size=1, **common)
@@ -76,7 +87,7 @@ def save_hf(folder: Path, kind: str, classify: bool = False, num_labels: int = 1
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    if kind == "xlm-roberta":  # one segment type: its tokenizers give no type ids
+    if kind in ("xlm-roberta", "modernbert"):  # no segment types: no type ids
         path = folder / "tokenizer_config.json"
         tok_cfg = json.loads(path.read_text())
         tok_cfg["model_input_names"] = ["input_ids", "attention_mask"]
@@ -126,5 +137,50 @@ def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str
             save_hf(root, kind, classify=True, num_labels=1, seed=1)
             cache[kind] = str(root)
         return cache[kind]
+
+    return make
+
+
+# vLLM's --hf-overrides for the original Qwen3-Reranker checkpoints
+QWEN3_RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
+                            "classifier_from_token": ["no", "yes"],
+                            "is_original_qwen3_reranker": True}
+
+
+def save_qwen3_lm(folder: Path, tie: bool, seed: int = 2) -> None:
+    """A random ``Qwen3ForCausalLM`` (as Qwen3-Reranker ships) whose tokenizer has "yes"
+    and "no" tokens; ``tie``: the LM head is the embedding table (Qwen3-Reranker-0.6B)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.add_tokens(["yes", "no"])
+    tok.pad_token = "<unk>"
+    cfg = tf.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=1024, tie_word_embeddings=tie,
+                         pad_token_id=tok.pad_token_id)
+    model = tf.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random norms, so a skipped or swapped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def qwen3_lm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool], str]:
+    """Builds (once per ``tie``) a random Qwen3 causal LM with yes/no tokens."""
+    cache: dict[bool, str] = {}
+
+    def make(tie: bool = True) -> str:
+        if tie not in cache:
+            root = tmp_path_factory.mktemp(f"qwen3-lm-{'tied' if tie else 'untied'}")
+            save_qwen3_lm(root, tie)
+            cache[tie] = str(root)
+        return cache[tie]
 
     return make

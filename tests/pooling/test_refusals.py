@@ -7,9 +7,10 @@ import pytest
 from server.engine.llm import LLM
 
 
-def test_yes_no_reranker_is_refused(tiny_model) -> None:
-    # a causal LM has no class head: Qwen3-Reranker's yes/no-logit scoring is named as
-    # unsupported instead of a head being made up
-    with pytest.raises(ValueError, match="Qwen3-Reranker") as err:
+def test_classify_without_head_is_refused(tiny_model) -> None:
+    # a causal LM has no class head: without classifier_from_token (--hf-overrides) none is
+    # made up, and the message says how to get one
+    with pytest.raises(ValueError, match="classifier_from_token") as err:
         LLM(tiny_model[0], runner="pooling", convert="classify")
     assert "ForSequenceClassification" in str(err.value)
+    assert "Qwen3-Reranker" in str(err.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from gemma3_helpers import save_tiny_gemma3
 from vision_helpers import save_tiny_llava
 
 
@@ -11,6 +12,14 @@ def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object, o
     """(folder, HF LlavaForConditionalGeneration, its processor)."""
     path = tmp_path_factory.mktemp("tiny-llava")
     model, processor = save_tiny_llava(path)
+    return str(path), model, processor
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object, object]:
+    """(folder, HF Gemma3ForConditionalGeneration, its processor)."""
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    model, processor = save_tiny_gemma3(path)
     return str(path), model, processor
 
 

@@ -111,6 +111,9 @@ def test_chunk_end_keeps_an_image_whole() -> None:
     assert chunk_end(spans, 10, 32, 42) == 35  # starts at image a: all of it, if in budget
     assert chunk_end(spans, 10, 32, 30) == 10  # ...else nothing this step
     assert chunk_end(spans, 35, 70, 70) == 70  # not cutting anything
+    # a prefix-cache hit that ends inside image a: the rest of it in one chunk
+    assert chunk_end(spans, 16, 32, 48) == 35
+    assert chunk_end(spans, 16, 32, 30) == 16
     assert chunk_end([], 0, 16, 16) == 16
 
 

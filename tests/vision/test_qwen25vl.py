@@ -178,16 +178,21 @@ def test_buckets_command_prints_the_patch_buckets(tiny_qwen25vl, capsys) -> None
     assert "images of 4 to 64 tokens" in capsys.readouterr().out
 
 
-def test_processor_kwargs_flag() -> None:
-    from server.config.multimodal import parse_processor_kwargs
+def test_processor_kwargs_bound_the_images(tiny_qwen25vl) -> None:
+    """--mm-processor-kwargs: Qwen2.5-VL takes min_pixels / max_pixels (refusing other
+    settings and bad values at start-up); the patch buckets double up to the most."""
     from server.hpu.buckets.encoder import patch_buckets
+    from server.models.loader import load_vision_config, resolve_model_source
+    from server.models.vision import with_processor_kwargs
 
-    assert parse_processor_kwargs('{"min_pixels": 3136, "max_pixels": 1003520}') == {
-        "min_pixels": 3136, "max_pixels": 1003520}
-    assert parse_processor_kwargs("") == {}
-    for bad, words in (('{"fps": 2}', "not supported"), ("[1]", "JSON object"),
-                       ('{"max_pixels": 0}', ">= 1"), ("x", "expected JSON")):
+    cfg = load_vision_config(resolve_model_source(tiny_qwen25vl[0]))
+    assert (cfg.min_pixels, cfg.max_pixels) == (256, 4096)  # its preprocessor_config.json
+    assert cfg.token_bounds() == (4, 64)
+    bounded = with_processor_kwargs(cfg, {"min_pixels": 1024, "max_pixels": 2048})
+    assert bounded.token_bounds() == (16, 32)
+    for bad, words in (({"fps": 2}, "not supported"), ({"max_pixels": 0}, ">= 1"),
+                       ({"min_pixels": 8192}, "above max_pixels")):
         with pytest.raises(ValueError, match=words):
-            parse_processor_kwargs(bad)
+            with_processor_kwargs(cfg, bad)
     assert patch_buckets(16, 1024, 4) == [16, 32, 64, 128, 256, 512, 1024]
     assert patch_buckets(20, 100, 4) == [32, 64, 100]

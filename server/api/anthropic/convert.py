@@ -4,8 +4,9 @@ template, plans its tools, samples and reads the output back, as for /v1/chat/co
 Anthropic's blocks map onto OpenAI's messages: ``system`` becomes the first message, a
 ``tool_use`` block an assistant ``tool_calls`` entry, a ``tool_result`` block a ``tool``
 message (before the user's text of the same turn, where Anthropic requires it), a
-``thinking`` block the turn's ``reasoning_content``. A last assistant turn is continued
-(Anthropic's prefill), not answered.
+``thinking`` block the turn's ``reasoning_content``, an ``image`` block an ``image_url``
+part (a data URI of its base64 bytes, or its URL), loaded and checked as chat's images are.
+A last assistant turn is continued (Anthropic's prefill), not answered.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from server.api.anthropic.protocol import (
+    Base64Source,
     CountTokensRequest,
+    FileSource,
+    ImageBlock,
     InputMessage,
     MessagesRequest,
     RedactedThinkingBlock,
@@ -26,6 +30,8 @@ from server.api.anthropic.protocol import (
     ToolUseBlock,
 )
 from server.api.errors import APIError
+from server.api.media.chat import ImageRef
+from server.api.media.chat import image_refs as chat_image_refs
 from server.api.protocol import ChatCompletionRequest
 
 # Request fields of Anthropic's that would change the answer and are not served here:
@@ -85,6 +91,31 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         {k: v for k, v in fields.items() if v is not None})
 
 
+def image_refs(req: CountTokensRequest, chat: ChatCompletionRequest) -> list[ImageRef]:
+    """The image parts of ``chat`` (``req`` converted) named by their Anthropic paths: the
+    image blocks come in the same order (tool results, which come first in a turn, carry
+    none)."""
+    names = [(i, j, "data" if isinstance(block.source, Base64Source) else "url")
+             for i, message in enumerate(req.messages) if not isinstance(message.content, str)
+             for j, block in enumerate(message.content) if isinstance(block, ImageBlock)]
+    parts = chat_image_refs(chat)
+    assert len(names) == len(parts), "one image part per image block"
+    return [ImageRef(part.url, f"messages.{i}.content.{j}.source.{field}",
+                     f"messages.{i}.content", j, "image")
+            for (i, j, field), part in zip(names, parts)]
+
+
+def _image_url(block: ImageBlock, where: str) -> str:
+    source = block.source
+    if isinstance(source, FileSource):
+        raise APIError(400, "file sources (Anthropic's Files API) are not supported by this "
+                            "server; send the image as base64 or a URL",
+                       f"{where}.source.file_id", "unsupported_parameter")
+    if isinstance(source, Base64Source):
+        return f"data:{source.media_type};base64,{source.data}"
+    return source.url
+
+
 def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
     if system is None:
         return []
@@ -97,7 +128,7 @@ def _turn(index: int, message: InputMessage) -> list[dict[str, Any]]:
     (and, for the assistant, its calls and thinking)."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts: list[dict[str, str]] = []
+    texts: list[dict[str, Any]] = []  # text and image parts, in order
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
     results: list[dict[str, Any]] = []
@@ -105,6 +136,9 @@ def _turn(index: int, message: InputMessage) -> list[dict[str, Any]]:
         where = f"messages.{index}.content.{j}"
         if isinstance(block, TextBlock):
             texts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            _only_in(message, "user", block.type, where)
+            texts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
         elif isinstance(block, ToolUseBlock):
             _only_in(message, "assistant", block.type, where)
             calls.append({"id": block.id, "type": "function", "function": {
@@ -119,7 +153,8 @@ def _turn(index: int, message: InputMessage) -> list[dict[str, Any]]:
             assert isinstance(block, RedactedThinkingBlock)  # opaque: nothing to show
     turn: dict[str, Any] = {"role": message.role}
     if texts:
-        turn["content"] = texts[0]["text"] if len(texts) == 1 else texts
+        plain = len(texts) == 1 and texts[0]["type"] == "text"
+        turn["content"] = texts[0]["text"] if plain else texts
     if calls:
         turn["tool_calls"] = calls
     if reasoning:

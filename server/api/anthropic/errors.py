@@ -36,8 +36,12 @@ def _translated(status: int, body: bytes) -> bytes:
     try:
         error = json.loads(body)["error"]
         message, request_id = str(error["message"]), error.get("request_id")
+        param = error.get("param")
     except (ValueError, KeyError, TypeError):  # not OpenAI's error body: said as it is
-        message, request_id = body.decode("utf-8", "replace"), None
+        message, request_id, param = body.decode("utf-8", "replace"), None, None
+    if isinstance(param, str) and param and param not in message:
+        # Anthropic's body has no param: its messages open with the field's path instead
+        message = f"{param}: {message}"
     return json.dumps(anthropic_error_body(status, message, request_id),
                       ensure_ascii=False).encode("utf-8")
 

@@ -47,7 +47,7 @@ class ToolResultBlock(AnthropicModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        return _refuse_media(value)
+        return _refuse_media(value, "a tool_result block's content")
 
 
 class ThinkingBlock(AnthropicModel):
@@ -63,6 +63,41 @@ class RedactedThinkingBlock(AnthropicModel):
     data: str = ""
 
 
+class Base64Source(AnthropicModel):
+    """An image's bytes in the request (its media type is checked with the bytes, by the
+    same loader as chat's data URIs: server/api/media)."""
+
+    type: Literal["base64"]
+    media_type: Text = Field(max_length=255)
+    data: str
+
+
+class URLSource(AnthropicModel):
+    """An image fetched by the server (http(s), or file:// under
+    --allowed-local-media-path), with chat's caps and timeout."""
+
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class FileSource(AnthropicModel):
+    """An upload of Anthropic's Files API: refused by name (this server has no files)."""
+
+    type: Literal["file"]
+    file_id: str
+
+
+ImageSource = Annotated[Union[Base64Source, URLSource, FileSource],
+                        Field(discriminator="type")]
+
+
+class ImageBlock(AnthropicModel):
+    """An image in a user turn (a vision-language model; a text-only one refuses it)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 def _block_type(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind if isinstance(kind, str) else None
@@ -74,20 +109,29 @@ InputBlock = Annotated[Union[
     Annotated[ToolResultBlock, Tag("tool_result")],
     Annotated[ThinkingBlock, Tag("thinking")],
     Annotated[RedactedThinkingBlock, Tag("redacted_thinking")],
+    Annotated[ImageBlock, Tag("image")],
 ], Discriminator(_block_type)]
 
-# Anthropic's media blocks: refused by name (a text-only model), not as "no such tag"
-_MEDIA_BLOCKS = {"image": "images", "document": "documents", "search_result": "search results",
+# Anthropic's other media blocks: refused by name, not as "no such tag" (images are read
+# in a turn's content; a text-only model refuses them in server/api/media/chat.py)
+_MEDIA_BLOCKS = {"document": "documents", "search_result": "search results",
                  "container_upload": "files"}
 
 
-def _refuse_media(content: Any) -> Any:
+def _refuse_media(content: Any, images_in: str | None = None) -> Any:
+    """``images_in``: where an image block cannot go (None: images are welcome)."""
     from pydantic_core import PydanticCustomError
 
     if not isinstance(content, list):
         return content
     for index, block in enumerate(content):
         kind = _block_type(block)
+        if kind == "image" and images_in is not None:
+            raise PydanticCustomError(
+                "unsupported_content",
+                "images are not supported in {where} (content block {index}); send the "
+                "image in the user turn's content instead", {"where": images_in,
+                                                             "index": index})
         if kind in _MEDIA_BLOCKS:
             raise PydanticCustomError(
                 "unsupported_content",

@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from server.api.answer_json import dumps
 from server.api.anthropic.answer import content_blocks, stop_reason, usage
-from server.api.anthropic.convert import check_thinking, to_chat_request
+from server.api.anthropic.convert import check_thinking, image_refs, to_chat_request
 from server.api.anthropic.events import message_events
 from server.api.anthropic.protocol import (
     CountTokensRequest,
@@ -18,6 +18,8 @@ from server.api.anthropic.protocol import (
     MessageResponse,
     MessagesRequest,
 )
+from server.api.errors import APIError
+from server.api.media.chat import check_images
 from server.api.request_checks import check_messages
 from server.api.serving import RequestTag, ServingContext, accumulate, check_model, json_answer
 from server.api.serving_chat import render_chat_prompt, start_chat
@@ -28,7 +30,8 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, tag: Request
                          ) -> Response | AsyncIterator[str]:
     check_model(ctx, req.model)
     show_thinking = _show_thinking(ctx, req)
-    run = await start_chat(ctx, to_chat_request(req), tag)
+    chat = to_chat_request(req)
+    run = await start_chat(ctx, chat, tag, image_refs(req, chat))
     message_id = f"msg_{tag.request_id}"
     if req.stream:
         return message_events(run, message_id, run.model, show_thinking)
@@ -54,6 +57,11 @@ async def count_tokens(ctx: ServingContext, req: CountTokensRequest, tag: Reques
     check_model(ctx, req.model)
     _show_thinking(ctx, req)
     chat = to_chat_request(req)
+    images = check_images(ctx.engine.vision, image_refs(req, chat))
+    if images:  # an image's token count is the processor's, which runs in the engine
+        raise APIError(400, "count_tokens does not count image blocks yet; count the text "
+                            "alone, or read the usage of /v1/messages", images[0].param,
+                       "unsupported_parameter")
     check_messages(ctx.limits, len(chat.messages))
     tools = template_tools(chat) or None
 

@@ -1,6 +1,10 @@
 """A chat request's image parts: counted and refused early (a text-only model, more than
 ``--limit-mm-per-prompt``), then, on a worker, loaded and handed to the chat template as
 its image parts (``{"type": "image"}``, where the template writes the model's placeholder).
+
+The Messages and Responses APIs run as the chat request they amount to; they name each of
+its image parts in their own terms (``ImageRef.param``, ``kind``), so that a refusal
+points at the field the client sent.
 """
 
 from __future__ import annotations
@@ -16,10 +20,16 @@ from server.engine.multimodal.inputs import VisionInfo
 
 @dataclass(frozen=True, slots=True)
 class ImageRef:
-    """One image part of a request: its URL and where it sits (the error's param)."""
+    """One image part of a request: its URL, where it sits in the client's terms (the
+    param of an error about the image), ``place``: the param of a refusal of the part as
+    a whole (chat's: its content list, as text_fields.py's refusals of other media), its
+    index in its content list, and the part's type as the client spelled it."""
 
     url: str
     param: str
+    place: str
+    index: int
+    kind: str = "image_url"
 
 
 def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
@@ -30,25 +40,25 @@ def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
             for j, part in enumerate(message.content):
                 if isinstance(part, ImagePart):
                     refs.append(ImageRef(part.image_url.url,
-                                         f"messages.{i}.content.{j}.image_url.url"))
+                                         f"messages.{i}.content.{j}.image_url.url",
+                                         f"messages.{i}.content", j))
     return refs
 
 
-def check_images(vision: VisionInfo | None, req: ChatCompletionRequest) -> list[ImageRef]:
-    """The request's images, refused (400) where the model reads none or they are too
-    many; cheap (nothing fetched): runs before the request queues."""
-    refs = image_refs(req)
+def check_images(vision: VisionInfo | None, refs: list[ImageRef]) -> list[ImageRef]:
+    """``refs``, refused (400) where the model reads no images or they are too many;
+    cheap (nothing fetched): runs before the request queues."""
     if not refs:
         return refs
     if vision is None:  # the words of text_fields.py's refusal of other media
-        where = refs[0].param.split(".")
+        first = refs[0]
         raise APIError(400, f"images are not supported by this text-only model (content "
-                            f"part {where[3]} has type 'image_url'); send text parts only",
-                       ".".join(where[:3]))
+                            f"part {first.index} has type '{first.kind}'); send text parts "
+                            "only", first.place)
     if len(refs) > vision.image_limit:
         raise APIError(400, f"at most {vision.image_limit} images per prompt "
                             f"(--limit-mm-per-prompt); this request has {len(refs)}",
-                       "messages")
+                       refs[vision.image_limit].param)  # the first one too many
     return refs
 
 

@@ -250,7 +250,10 @@ async def score_pairs(ctx: ServingContext, tag: RequestTag, pairs: list[tuple[st
 
         def pair_builder(a: str, b: str) -> Callable[[], PromptInput]:
             def build() -> PromptInput:  # on a worker
-                enc = tok.hf(a, b, truncation=True, max_length=limit)
+                if info.pairs_as_text:  # an LLM reranker's prompt: cut only when asked
+                    enc = tok.hf(a + b)
+                else:
+                    enc = tok.hf(a, b, truncation=True, max_length=limit)
                 types = enc.get("token_type_ids")
                 return PromptInput(list(enc["input_ids"]), PoolingParams(
                     PoolingTask.SCORE, truncate_prompt_tokens=truncate, activation=activation,

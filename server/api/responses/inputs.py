@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from server.api.errors import APIError
+from server.api.media.chat import ImageRef
 from server.api.protocol import ChatCompletionRequest
 from server.api.responses.protocol import (
     ContentPart,
@@ -77,15 +78,18 @@ def _refuse(param: str, message: str) -> None:
                    param, "unsupported_parameter")
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """``input`` as chat messages (the conversation this request adds)."""
+def input_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """``input`` as chat messages (the conversation this request adds), and its
+    ``input_image`` parts (the chat messages' image parts, in order) by their paths."""
     if isinstance(req.input, str):
-        return [{"role": "user", "content": req.input}]
+        return [{"role": "user", "content": req.input}], []
     messages: list[dict[str, Any]] = []
+    images: list[ImageRef] = []
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _text(item.content, where)})
+            messages.append({"role": item.role,
+                             "content": _message_content(item.content, where, images)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -102,19 +106,54 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             assert isinstance(item, OtherItem)
             _refuse(f"{where}.type", f"input items of type {item.type!r} are not supported")
-    return messages
+    return messages, images
+
+
+def history_images(history: list[dict[str, Any]]) -> list[ImageRef]:
+    """The image parts a previous response's conversation carries (its input's images),
+    named by ``previous_response_id``."""
+    return [ImageRef(part["image_url"]["url"], "previous_response_id", "previous_response_id",
+                     j, "input_image")
+            for message in history if isinstance(message.get("content"), list)
+            for j, part in enumerate(message["content"]) if part.get("type") == "image_url"]
+
+
+def _message_content(content: str | list[ContentPart], where: str, images: list[ImageRef]
+                     ) -> str | list[dict[str, Any]]:
+    """A message's content as chat's: its text, or, with images, its text and image parts
+    in order (each ``input_image`` appended to ``images``)."""
+    if isinstance(content, str) or not any(p.type == "input_image" for p in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.type != "input_image":
+            parts.append({"type": "text", "text": _part_text(part, f"{where}.content[{j}]")})
+            continue
+        param = f"{where}.content[{j}]"
+        if part.file_id is not None:
+            _refuse(f"{param}.file_id", "input_image file_id needs OpenAI's Files API, which "
+                                        "this server does not have; send image_url (a data "
+                                        "URI or a URL)")
+        if part.image_url is None:
+            raise APIError(400, f"{param}: input_image needs image_url (a data URI or a URL)",
+                           f"{param}.image_url")
+        images.append(ImageRef(part.image_url, f"{param}.image_url", param, j,
+                               "input_image"))
+        parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+    return parts
 
 
 def _text(content: str | list[ContentPart], where: str) -> str:
     if isinstance(content, str):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type not in _TEXT_PARTS or part.text is None:
-            _refuse(f"{where}.content[{j}]", f"content parts of type {part.type!r} are not "
-                                             "supported (text only)")
-        texts.append(part.text or "")
-    return "".join(texts)
+    return "".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part: ContentPart, param: str) -> str:
+    if part.type not in _TEXT_PARTS or part.text is None:
+        _refuse(param, f"content parts of type {part.type!r} are not supported here (text, "
+                       "and input_image in a message)")
+    return part.text or ""
 
 
 def output_messages(output: list[OutputItem]) -> list[dict[str, Any]]:

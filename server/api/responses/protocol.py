@@ -32,11 +32,17 @@ class ResponseStatus(str, enum.Enum):
 # --- request -----------------------------------------------------------------------------
 
 class ContentPart(OpenAIModel):
-    """``input_text`` / ``output_text`` (a history turn's) are read; other part types
-    (``input_image``, ``input_file``, ``refusal``...) are refused by the handler."""
+    """``input_text`` / ``output_text`` (a history turn's) and ``input_image`` are read;
+    other part types (``input_file``, ``refusal``...) are refused by the handler."""
 
     type: Annotated[str, Field(max_length=64)]
     text: Text | None = None
+    # input_image: a data URI or a URL (chat's image_url rules, server/api/media); an
+    # uploaded file's id is refused (no Files API here)
+    image_url: str | None = Field(None, min_length=1)
+    file_id: str | None = None
+    # OpenAI's resolution hint; LLaVA's processor has one resolution, so it changes nothing
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class MessageItem(OpenAIModel):

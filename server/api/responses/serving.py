@@ -21,6 +21,7 @@ from server.api.errors import APIError
 from server.api.responses.events import EventWriter
 from server.api.responses.inputs import (
     chat_request,
+    history_images,
     input_messages,
     output_messages,
     refuse_unsupported,
@@ -67,8 +68,10 @@ class ResponsesService:
                                     f"{previous.response.status.value}; wait until it "
                                     "finishes", "previous_response_id")
             history = previous.conversation
-        conversation = history + input_messages(req)
-        run = await start_chat(ctx, chat_request(req, conversation), tag)
+        added, images = input_messages(req)
+        conversation = history + added
+        run = await start_chat(ctx, chat_request(req, conversation), tag,
+                               history_images(history) + images)
         response = skeleton(req, new_id("resp"), run.model, ResponseStatus.IN_PROGRESS)
         if req.background:
             entry = StoredResponse(response.model_copy(update={"status": ResponseStatus.QUEUED}),

@@ -13,7 +13,10 @@ with the phase, the bucket and the step's :class:`ForwardInputs`, broadcast as o
 object
 (``broadcast_object_list``: a length, then the bytes); with ``--enable-lora``, also a
 :class:`LoRAOrder` to copy an adapter into a slot (the step's inputs name slots, so the
-slots' contents must match on every rank). Sending the built inputs rather than
+slots' contents must match on every rank). A vision-language model's encoder runs on rank 0
+only: a prefill's image rows travel with its order (only the rows under the image mask, not
+the step's whole zero-padded grid), so every rank places the very same rows. Sending the
+built inputs rather than
 the scheduled sequences keeps the workers stateless (nothing to keep in step with rank 0:
 no block tables, no sequences) and makes every rank run the very same bucket on the very
 same tensors, so their collectives always match. The cost is the inputs' size per step (a
@@ -38,7 +41,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -81,7 +84,30 @@ class Order:
     op: Op  # RUN, WARM or CAPTURE
     phase: Phase
     bucket: Bucket
-    inputs: ForwardInputs
+    inputs: ForwardInputs  # its mm_embeds sent as None when image_rows carries them
+    # a vision-language prefill's image rows ``[rows under inputs.mm_mask, hidden]``, in
+    # grid order: the encoder's output (rank 0 runs the encoder); None without images
+    image_rows: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, op: Op, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> Order:
+        """The order for rank 0's call, its tensors in host memory (they are pickled)."""
+        host = tensors_to(inputs, torch.device("cpu"))
+        if host.mm_embeds is None or host.mm_mask is None:
+            return cls(op, phase, bucket, host)
+        rows = host.mm_embeds[host.mm_mask.view(-1)]
+        return cls(op, phase, bucket, replace(host, mm_embeds=None), rows)
+
+    def inputs_on(self, device: torch.device) -> ForwardInputs:
+        """Rank 0's inputs rebuilt on ``device`` (image rows back in their grid)."""
+        inputs = tensors_to(self.inputs, device)
+        if self.image_rows is None or inputs.mm_mask is None:
+            return inputs
+        mask = inputs.mm_mask.view(-1)
+        embeds = torch.zeros(mask.numel(), self.image_rows.shape[-1],
+                             dtype=self.image_rows.dtype, device=device)
+        embeds[mask] = self.image_rows.to(device)
+        return replace(inputs, mm_embeds=embeds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +174,7 @@ class BroadcastingRunner(ShapeRunner):
         return self.inner.warmed
 
     def _order(self, op: Op, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> None:
-        host = tensors_to(inputs, torch.device("cpu"))
-        self.parallel.broadcast_object(Order(op, phase, bucket, host))
+        self.parallel.broadcast_object(Order.of(op, phase, bucket, inputs))
 
     def run(self, phase: Phase, bucket: Bucket, inputs: ForwardInputs) -> torch.Tensor:
         self._order(Op.RUN, phase, bucket, inputs)
@@ -337,7 +362,7 @@ def serve_rank(config: EngineConfig, rank: int, host: str, port: int, local_rank
                 _follow_lora(runner, order)
                 continue
             assert isinstance(order, Order), order
-            inputs = tensors_to(order.inputs, platform.device)
+            inputs = order.inputs_on(platform.device)
             if order.op is Op.RUN:
                 graphs.run(order.phase, order.bucket, inputs)
                 graphs.sync(SyncPoint.SAMPLER)  # where rank 0 samples

@@ -12,7 +12,7 @@ import torch
 
 from server.engine.multimodal.inputs import ImageSpan
 from server.engine.multimodal.plan import EncoderPlan
-from server.models.vision import LlavaVision, QwenVision, VisionModule
+from server.models.vision import LlavaVision, QwenVision, VisionModel
 from server.models.vision.qwen2_5_vl import pack_images
 
 
@@ -124,7 +124,7 @@ class PackedImages:
 ImageBatches = EqualImages | PackedImages
 
 
-def image_batches(vision: VisionModule, plan: EncoderPlan, padded: bool,
+def image_batches(vision: VisionModel, plan: EncoderPlan, padded: bool,
                   device: torch.device, dtype: torch.dtype) -> ImageBatches:
     if isinstance(vision, QwenVision):
         return PackedImages(vision, plan, padded, device, dtype)

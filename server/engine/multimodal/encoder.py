@@ -29,7 +29,7 @@ from server.engine.multimodal.inputs import ImageSpan
 from server.engine.multimodal.plan import EncoderPlan
 from server.hpu.counters import DeviceCounters
 from server.hpu.types import SyncPoint
-from server.models.vision import QwenVision, VisionModule
+from server.models.vision import QwenVision, VisionModel
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class EncoderCache:
 class VisionEncoder:
     """Runs the vision tower on bucketed image batches, and builds a prefill's image rows."""
 
-    def __init__(self, vision: VisionModule, plan: EncoderPlan, mode: ExecutionMode,
+    def __init__(self, vision: VisionModel, plan: EncoderPlan, mode: ExecutionMode,
                  counters: DeviceCounters, device: torch.device, dtype: torch.dtype,
                  cache_images: int) -> None:
         self.vision = vision
@@ -159,6 +159,22 @@ class VisionEncoder:
             embeds[flat:flat + hi - lo] = found[span.hash][lo - span.offset:hi - span.offset]
             mask[flat:flat + hi - lo] = True
         return embeds, mask
+
+    def image_ends(self, seqs: Seq[Sequence], new_tokens: Seq[int], starts: Seq[int],
+                   total: int) -> torch.Tensor | None:
+        """``[total]`` the end position (exclusive) of the image each token of a prefill
+        belongs to, 0 for text tokens (laid out as :meth:`rows`), for a model whose image
+        tokens attend to each other both ways (Gemma 3); None for the others."""
+        if not self.vision.config.bidirectional:
+            return None
+        ends = torch.zeros(total, dtype=torch.long)
+        for seq, n, flat in zip(seqs, new_tokens, starts):
+            begin = seq.num_computed_tokens
+            for span in seq.images:
+                lo, hi = max(begin, span.offset), min(begin + n, span.end)
+                if lo < hi:
+                    ends[flat + lo - begin:flat + hi - begin] = span.end
+        return ends.to(self.device)
 
     def activation_bytes(self) -> int:
         """A bound on the encoder's working memory at its largest bucket, for the start-up

@@ -53,11 +53,12 @@ def block_images(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:
 
 def chunk_end(spans: Sequence[ImageSpan], start: int, end: int, limit: int) -> int:
     """Where a prompt chunk ``[start, end)`` ends without cutting an image in two (an
-    image's tokens are placed together): before the image it would cut, or, when that image
-    begins at ``start``, after it if that is within ``limit`` (the step's token budget; else
-    ``start``: nothing fits this step)."""
+    image's tokens are placed together, and Gemma 3's attend to each other both ways):
+    before the image it would cut, or, when that image begins at ``start`` (or before it:
+    a prefix-cache hit that ends inside the image), after it if that is within ``limit``
+    (the step's token budget; else ``start``: nothing fits this step)."""
     for span in spans:
-        if span.offset < end < span.end and span.offset >= start:
+        if span.offset < end < span.end:
             if span.offset > start:
                 return span.offset
             return span.end if span.end <= limit else start

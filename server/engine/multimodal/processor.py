@@ -1,21 +1,17 @@
 """A prompt's images -> pixels and placeholder tokens, with the checkpoint's own processor
 (transformers' ``AutoProcessor`` from the model folder; its Pillow image processor, no
-torchvision). Runs where prompts are tokenized: off the event loop and the engine thread.
-
-Fixed-size families (LLaVA) expand every image into the same number of tokens; dynamic-
-resolution ones (Qwen2.5-VL) into as many as the processor's resize gives it (its
-``image_grid_thw``), the grid kept with the span for M-RoPE and the encoder's packing."""
+torchvision). Runs where prompts are tokenized: off the event loop and the engine thread."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from server.engine.errors import RequestError
 from server.engine.multimodal.inputs import ImageSpan
-from server.models.vision import AnyVisionConfig, QwenVisionConfig
+from server.models.vision import VisionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +27,13 @@ def image_hash(image: Any) -> bytes:
 
 
 class ImageInputProcessor:
-    """Expands each image placeholder token of a prompt into the rows its image becomes,
-    and computes that image's pixels and hash."""
+    """Replaces each image placeholder token of a prompt with the tokens its image becomes
+    (the processor's own expansion: LLaVA's run of image tokens; Gemma 3's "<start_of_image>"
+    becomes the image tokens between begin and end markers and blank lines), and computes
+    that image's pixels and hash."""
 
-    def __init__(self, folder: str, cfg: AnyVisionConfig, image_limit: int) -> None:
-        self.token_id = cfg.image_token_id
-        self.image_limit = image_limit
-        self.dynamic: QwenVisionConfig | None = None
-        if isinstance(cfg, QwenVisionConfig):
-            self.dynamic = cfg
-            self._load_image_processor(folder, cfg)
-            self.per_image = 0  # the processor's resize decides, image by image
-            logger.info("Image processor: %s (%s), %s", type(self.image_processor).__name__,
-                        self.image_token, cfg.describe())
-            return
+    def __init__(self, folder: str, cfg: VisionConfig, image_limit: int,
+                 processor_kwargs: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoProcessor
 
         try:
@@ -56,52 +45,67 @@ class ImageInputProcessor:
         if self.image_processor is None:
             raise ValueError(f"model folder {folder}: its processor has no image processor "
                              "(processor_config.json / preprocessor_config.json)")
-        tokenizer = getattr(processor, "tokenizer", None)
+        self._configure(processor_kwargs or {})
+        self.tokenizer = getattr(processor, "tokenizer", None)
         self.image_token = (getattr(processor, "image_token", None)
-                            or (tokenizer.convert_ids_to_tokens(cfg.image_token_id)
-                                if tokenizer is not None else str(cfg.image_token_id)))
+                            or (self.tokenizer.convert_ids_to_tokens(cfg.image_token_id)
+                                if self.tokenizer is not None else str(cfg.image_token_id)))
+        # the token the prompt carries per image (Gemma 3's: the begin marker, whose
+        # expansion holds the image tokens)
+        self.token_id = (self.tokenizer.convert_tokens_to_ids(self.image_token)
+                         if self.tokenizer is not None else cfg.image_token_id)
         self.per_image = cfg.tokens_per_image
-        self._check_processor(processor)
+        self.image_limit = image_limit
+        self.replacement, self.span_at = self._replacement(processor, cfg)
+        self._newline: dict[int, bool] = {}
+        ends = (self.replacement[0], self.replacement[-1])
+        # Gemma 3's blank lines around an image merge with a prompt's newlines next to
+        # them into one token, as its tokenizer reads the expanded text
+        self._merges_newlines = self.tokenizer is not None and any(map(self._is_newline, ends))
         logger.info("Image processor: %s (%s), %d tokens per image",
                     type(self.image_processor).__name__, self.image_token, self.per_image)
 
-    def _load_image_processor(self, folder: str, cfg: QwenVisionConfig) -> None:
-        """The image processor alone (the whole processor would want a video processor,
-        which needs torchvision), with the config's resize bounds (the file's, then
-        --mm-processor-kwargs); its patch geometry must be the tower's."""
-        from transformers import AutoImageProcessor, AutoTokenizer
+    def _configure(self, kwargs: Mapping[str, Any]) -> None:
+        """``--mm-processor-kwargs`` set on the image processor, each one it has; what the
+        engine does not serve is refused here, at start-up."""
+        name = type(self.image_processor).__name__
+        for key, value in kwargs.items():
+            if not hasattr(self.image_processor, key):
+                raise ValueError(f"--mm-processor-kwargs: {key!r} is not a setting of the "
+                                 f"model's image processor ({name})")
+            setattr(self.image_processor, key, value)
+        if getattr(self.image_processor, "do_pan_and_scan", None):
+            raise ValueError("do_pan_and_scan (--mm-processor-kwargs or the checkpoint's "
+                             "preprocessor_config.json): Gemma 3's pan-and-scan crops are not "
+                             "supported; serve it with do_pan_and_scan false (the default)")
 
-        try:
-            self.image_processor = AutoImageProcessor.from_pretrained(
-                folder, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError, ImportError) as exc:
-            raise ValueError(f"model folder {folder}: no image processor could be loaded "
-                             f"for this vision model ({str(exc).splitlines()[0]})") from None
-        self.image_token = tokenizer.convert_ids_to_tokens(cfg.image_token_id)
-        ip = self.image_processor
-        found = (getattr(ip, "patch_size", None), getattr(ip, "temporal_patch_size", None),
-                 getattr(ip, "merge_size", None))
-        wanted = (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)
-        if found != wanted:
-            raise ValueError(f"the image processor's (patch, temporal patch, merge) sizes "
-                             f"{found} are not the vision tower's {wanted}")
-
-    def _check_processor(self, processor: Any) -> None:
-        """The processor's own expansion of one image must match the tower's row count:
-        a checkpoint whose processor and config disagree fails at start-up, not per
-        request."""
+    def _replacement(self, processor: Any, cfg: VisionConfig) -> tuple[list[int], int]:
+        """(the tokens one placeholder becomes, where its image tokens begin in them), from
+        the processor's own expansion of one image; they must be the ``tokens_per_image``
+        the tower makes, in one run: a checkpoint whose processor and config disagree
+        fails at start-up, not per request."""
         from PIL import Image
 
         text = getattr(processor, "image_token", None)
         if text is None or not callable(processor):
-            return
-        ids = processor(text=text, images=[Image.new("RGB", (8, 8))],
-                        add_special_tokens=False)["input_ids"][0]
-        found = list(ids).count(self.token_id)
-        if found != self.per_image:
-            raise ValueError(f"the processor expands an image into {found} tokens, the "
+            return [cfg.image_token_id] * self.per_image, 0
+        ids = [int(t) for t in processor(text=text, images=[Image.new("RGB", (8, 8))],
+                                         add_special_tokens=False)["input_ids"][0]]
+        at = [i for i, t in enumerate(ids) if t == cfg.image_token_id]
+        if len(at) != self.per_image:
+            raise ValueError(f"the processor expands an image into {len(at)} tokens, the "
                              f"vision tower makes {self.per_image}")
+        if at[-1] - at[0] + 1 != len(at):
+            raise ValueError("the processor's image tokens are not one run")
+        return ids, at[0]
+
+    def _is_newline(self, token: int) -> bool:
+        found = self._newline.get(token)
+        if found is None:
+            assert self.tokenizer is not None
+            text = self.tokenizer.decode([token])
+            found = self._newline[token] = bool(text) and set(text) == {"\n"}
+        return found
 
     def process(self, prompt_ids: list[int], images: Sequence[Any], field: str
                 ) -> tuple[list[int], tuple[ImageSpan, ...]]:
@@ -115,39 +119,49 @@ class ImageInputProcessor:
             raise RequestError(f"the prompt has {found} image placeholders "
                                f"({self.image_token}) for {len(images)} images", field)
         try:
-            out = self.image_processor(list(images), return_tensors="pt")
+            pixels = self.image_processor(list(images), return_tensors="pt")["pixel_values"]
         except (ValueError, OSError) as exc:
             raise RequestError(f"image could not be processed: {exc}", field) from None
-        each = self._each_image(out, field)
         ids: list[int] = []
-        spans: list[ImageSpan] = []
+        starts: list[int] = []
+        junctions: set[int] = set()
         for token in prompt_ids:
             if token != self.token_id:
                 ids.append(token)
                 continue
-            k = len(spans)
-            pixels, grid = each[k]
-            length = self.per_image if grid is None else grid[0] * grid[1] * grid[2]
-            spans.append(ImageSpan(len(ids), length, image_hash(images[k]), pixels, grid))
-            ids += [self.token_id] * length
-        return ids, tuple(spans)
+            junctions.add(len(ids))
+            starts.append(len(ids) + self.span_at)
+            ids += self.replacement
+            junctions.add(len(ids))
+        if self._merges_newlines:
+            ids, starts = self._merge_newlines(ids, junctions, starts)
+        spans = tuple(ImageSpan(start, self.per_image, image_hash(image), pixels[k])
+                      for k, (start, image) in enumerate(zip(starts, images)))
+        return ids, spans
 
-    def _each_image(self, out: Any, field: str
-                    ) -> list[tuple[Any, tuple[int, int, int] | None]]:
-        """Each image's pixels and, for a dynamic-resolution model, its token grid (the
-        processor's patch grid over the merge size); its patches are rows of one tensor."""
-        pixels = out["pixel_values"]
-        if self.dynamic is None:
-            return [(p, None) for p in pixels]
-        merge = self.dynamic.spatial_merge_size
-        most = self.dynamic.token_bounds()[1]
-        result: list[tuple[Any, tuple[int, int, int] | None]] = []
-        at = 0
-        for t, h, w in out["image_grid_thw"].tolist():
-            grid = (t, h // merge, w // merge)
-            if grid[0] * grid[1] * grid[2] > most:  # only a > 200:1 aspect ratio gets here
-                raise RequestError(f"an image of {h}x{w} patches is above max_pixels "
-                                   f"{self.dynamic.max_pixels} after resizing", field)
-            result.append((pixels[at:at + t * h * w], grid))
-            at += t * h * w
-        return result
+    def _merge_newlines(self, ids: list[int], junctions: set[int], starts: list[int]
+                        ) -> tuple[list[int], list[int]]:
+        """Each run of newline tokens that a placeholder's expansion meets (``junctions``:
+        where expansions begin and end) tokenized again as one text, as the tokenizer reads
+        the expanded prompt ("\n" then "\n\n" is Gemma's one "\n\n\n" token); the image
+        starts after it shift with it."""
+        assert self.tokenizer is not None
+        out: list[int] = []
+        shifts: list[tuple[int, int]] = []  # (end of a merged run, tokens it gained)
+        i = 0
+        while i < len(ids):
+            j = i
+            while j < len(ids) and self._is_newline(ids[j]):
+                j += 1
+            if j == i:
+                out.append(ids[i])
+                i += 1
+                continue
+            run = ids[i:j]
+            if any(i < at < j for at in junctions):
+                run = self.tokenizer.encode(self.tokenizer.decode(run),
+                                            add_special_tokens=False)
+                shifts.append((j, len(run) - (j - i)))
+            out += run
+            i = j
+        return out, [s + sum(n for end, n in shifts if s >= end) for s in starts]

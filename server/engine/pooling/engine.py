@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from server.hpu.counters import DeviceCounters
 from server.hpu.platform import detect_platform
 from server.models.encoders.bert import BertEncoder
 from server.models.encoders.load import load_pooling_model
+from server.models.encoders.modernbert import ModernBertEncoder
 from server.models.loader import resolve_model_source
 
 logger = logging.getLogger(__name__)
@@ -77,12 +79,14 @@ class PoolingEngine:
         classify = {Convert.EMBED: False, Convert.CLASSIFY: True,
                     Convert.REWARD: True}.get(convert)
         dtype = _dtype(config.model.dtype, source.folder, platform.device)
-        self.loaded = load_pooling_model(source.folder, dtype, platform.device, classify)
-        st = self.loaded.st
-        self.model_name = config.model.served_model_name or source.name
         self.tokenizer = Tokenizer.from_model_path(
             source.folder, chat_template=config.model.chat_template,
             cache_dir=writable_cache_dir(config.cache_dir) / "tokenizers")
+        self.loaded = load_pooling_model(source.folder, dtype, platform.device, classify,
+                                         config.pooling.overrides,
+                                         _token_id(self.tokenizer.hf))
+        st = self.loaded.st
+        self.model_name = config.model.served_model_name or source.name
         model_max = self.loaded.max_tokens
         if st.max_seq_length:  # texts are cut there, as sentence-transformers cuts them
             model_max = min(model_max, st.max_seq_length)
@@ -93,7 +97,7 @@ class PoolingEngine:
         if mode is ExecutionMode.GRAPHS:
             mode = ExecutionMode.COMPILE
         if (mode is ExecutionMode.EAGER and platform.device.type == "cpu"
-                and isinstance(self.loaded.model, BertEncoder)):
+                and isinstance(self.loaded.model, (BertEncoder, ModernBertEncoder))):
             # inductor packs weights itself when it freezes a graph: only eager needs this
             self.loaded.model.pack_for_cpu()
         self.counters = DeviceCounters(self.model_name)
@@ -112,6 +116,7 @@ class PoolingEngine:
             matryoshka_dimensions=self.loaded.matryoshka_dimensions,
             max_model_len=self.limits.max_model_len,
             cross_encoder=self.loaded.classify,
+            pairs_as_text=self.loaded.pairs_as_text,
             prompts=dict(st.prompts),
             id2label=_id2label(source.folder))
         self._failed_steps = 0
@@ -188,9 +193,14 @@ class PoolingEngine:
 
     def pair_tokens(self, text_1: str, text_2: str) -> tuple[list[int], tuple[int, ...] | None]:
         """A (query, document) pair as a cross-encoder reads it: one input with the
-        tokenizer's separators, cut to the context, and its segment ids (BERT)."""
-        enc = self.tokenizer.hf(text_1, text_2, truncation=True,
-                                max_length=self.limits.max_model_len)
+        tokenizer's separators, cut to the context, and its segment ids (BERT). An LLM
+        reranker reads the two texts as one prompt, never cut here: one too long for the
+        context is refused when the request is prepared (unless truncate_prompt_tokens)."""
+        if self.info.pairs_as_text:  # a prompt cut at its end would ask something else
+            enc = self.tokenizer.hf(text_1 + text_2)
+        else:
+            enc = self.tokenizer.hf(text_1, text_2, truncation=True,
+                                    max_length=self.limits.max_model_len)
         types = enc.get("token_type_ids")
         return list(enc["input_ids"]), tuple(types) if types is not None else None
 
@@ -282,6 +292,18 @@ class PoolingEngine:
     def reload_weights(self, path: str) -> None:
         del path
         raise RequestError("weight reload is not supported with --runner pooling")
+
+
+def _token_id(hf: Any) -> Callable[[str], int | None]:
+    """The tokenizer's id of one token (None: not in its vocabulary, where it would map to
+    the unknown token)."""
+    def find(token: str) -> int | None:
+        found = hf.convert_tokens_to_ids(token)
+        unknown = getattr(hf, "unk_token_id", None)
+        if found is None or (found == unknown and token != getattr(hf, "unk_token", None)):
+            return None
+        return int(found)
+    return find
 
 
 def _id2label(folder: str) -> dict[int, str]:

@@ -49,6 +49,9 @@ class PoolingModelInfo:
     max_model_len: int
     # a classifier reads (text_1, text_2) pairs as one input (a cross-encoder)
     cross_encoder: bool
+    # a cross-encoder pair is tokenized as the one text text_1 + text_2 (an LLM reranker,
+    # whose prompt template the two texts spell out), not as a pair with separators
+    pairs_as_text: bool = False
     # the sentence-transformers folder's named prompts
     prompts: dict[str, str] = field(default_factory=dict)
     id2label: dict[int, str] = field(default_factory=dict)

@@ -17,7 +17,6 @@ from server.hpu.counters import DeviceCounters
 from server.hpu.graph_runner import CompiledRunner, EagerRunner, GraphRunner
 from server.hpu.types import Bucket, Phase
 from server.models.encoders.load import LoadedPoolingModel
-from server.models.encoders.st_folder import PoolingType
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +51,9 @@ class PoolingRunner:
         self.device = device
         self.counters = counters
         self.buckets = buckets
-        # class logits come from the head's token (the first for encoders, the last for
-        # causal LMs), which is also what CLS / LAST pooling takes
-        self.pooling = ((PoolingType.CLS if loaded.bidirectional else PoolingType.LAST)
-                        if loaded.classify else loaded.pooling)
+        # class logits come from the states the head reads (the first token for BERT, the
+        # last for causal LMs, CLS or the mean for ModernBERT): pooled the same way
+        self.pooling = loaded.head_pooling if loaded.classify else loaded.pooling
         self.graphs: GraphRunner
         if mode is ExecutionMode.EAGER:
             self.graphs = EagerRunner(self._forward, counters)  # type: ignore[arg-type]

@@ -20,7 +20,8 @@ def resolve_runner(config: EngineConfig) -> Runner:
     source = resolve_model_source(config.model.model)
     if source.is_gguf:
         return Runner.GENERATE
-    return Runner.POOLING if checkpoint_pools(source.folder) else Runner.GENERATE
+    return (Runner.POOLING if checkpoint_pools(source.folder, config.pooling.overrides)
+            else Runner.GENERATE)
 
 
 def build_engine(config: EngineConfig,
@@ -30,4 +31,7 @@ def build_engine(config: EngineConfig,
     config = with_local_model(config)
     if resolve_runner(config) is Runner.POOLING:
         return PoolingEngine(config, on_fault)
+    if config.pooling.hf_overrides:
+        raise ValueError("--hf-overrides is supported with --runner pooling only (the "
+                         "generative runner reads the checkpoint's config.json as it is)")
     return LLMEngine(config, on_fault)

@@ -279,7 +279,9 @@ class ModelRunner:
             return self._verify(batch, new_tokens, token_bitmask)
         bucket = self._bucket(phase, seqs, new_tokens)
         pad_to = padded_size(phase, bucket)
-        if phase is Phase.PREFILL and self.packs_tokens:
+        packed = (phase is Phase.PREFILL and self.packs_tokens
+                  and not self._bidirectional_step(seqs, new_tokens))
+        if packed:
             inputs = self.inputs.packed(seqs, new_tokens)
         elif phase is Phase.PREFILL:
             # with graphs the bucket fixes the context width (and whether there is one);
@@ -289,18 +291,17 @@ class ModelRunner:
         else:
             inputs = self.inputs.decode(seqs, pad_to)
         if self.lora is not None:
-            inputs = self._with_lora(inputs, seqs, new_tokens,
-                                     phase is Phase.PREFILL and self.packs_tokens)
+            inputs = self._with_lora(inputs, seqs, new_tokens, packed)
         if self.vision is not None and phase is Phase.PREFILL:
-            inputs = self._with_images(inputs, seqs, new_tokens)
+            inputs = self._with_images(inputs, seqs, new_tokens, packed)
         self.counters.tokens(phase, sum(new_tokens), inputs.input_ids.numel())
         scored = scored_chunks(seqs, new_tokens) if phase is Phase.PREFILL else []
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
         if scored:  # the grid's every token's logits: see prompt_logprobs.py
             widened, last = all_rows(inputs)
             every = self.graphs.run(phase, bucket, widened)
-            prompt_logprobs = score(every, scored, flat_starts(
-                inputs, new_tokens, phase is Phase.PREFILL and self.packs_tokens), seqs)
+            prompt_logprobs = score(every, scored, flat_starts(inputs, new_tokens, packed),
+                                    seqs)
             logits = every.index_select(0, last)[: len(seqs)]
         else:
             logits = self.graphs.run(phase, bucket, inputs)[: len(seqs)]
@@ -374,21 +375,39 @@ class ModelRunner:
         return dataclasses.replace(inputs, lora_slots=slots.to(self.platform.device))
 
     def _with_images(self, inputs: ForwardInputs, seqs: list[Sequence],
-                     new_tokens: list[int]) -> ForwardInputs:
+                     new_tokens: list[int], packed: bool) -> ForwardInputs:
         """A vision-language prefill: the encoder phase (the images its chunks reach,
         encoded or found in the cache), then their rows in place of the placeholders'
         embeddings. Every prefill carries the rows, image or not: one graph per bucket."""
         assert self.vision is not None
-        starts = flat_starts(inputs, new_tokens, self.packs_tokens)
-        embeds, mask = self.vision.rows(seqs, new_tokens, starts, inputs.input_ids.numel())
-        return dataclasses.replace(inputs, mm_embeds=embeds, mm_mask=mask)
+        starts = flat_starts(inputs, new_tokens, packed)
+        total = inputs.input_ids.numel()
+        embeds, mask = self.vision.rows(seqs, new_tokens, starts, total)
+        inputs = dataclasses.replace(inputs, mm_embeds=embeds, mm_mask=mask)
+        # Gemma 3: its image tokens see each other; every prefill graph takes the ends
+        # (zeros without images), while eager steps without images skip the mask
+        if self.graphs.needs_warmup or self._bidirectional_step(seqs, new_tokens):
+            ends = self.vision.image_ends(seqs, new_tokens, starts, total)
+            if ends is not None:
+                inputs.meta = dataclasses.replace(inputs.meta, image_ends=ends)
+        return inputs
+
+    def _bidirectional_step(self, seqs: list[Sequence], new_tokens: list[int]) -> bool:
+        """Whether a prefill's chunks reach image tokens that attend to each other both
+        ways (Gemma 3): such a step is never packed (the fused kernel's rows see a causal
+        prefix only; the padded grid's masked attention runs instead)."""
+        if self.vision is None or not self.vision.vision.config.bidirectional:
+            return False
+        return any(span.offset < seq.num_computed_tokens + n
+                   and seq.num_computed_tokens < span.end
+                   for seq, n in zip(seqs, new_tokens) for span in seq.images)
 
     def _dummy(self, phase: Phase, bucket: Bucket) -> ForwardInputs:
         """Warmup inputs of a bucket; with LoRA, a slot per token (graphs take them); for a
         vision model's prefills, blank image rows."""
         inputs = self.inputs.dummy(phase, bucket)
         if self.vision is not None and phase is Phase.PREFILL:
-            inputs = self._with_images(inputs, [], [])
+            inputs = self._with_images(inputs, [], [], False)
         if self.lora is None:
             return inputs
         return dataclasses.replace(inputs, lora_slots=torch.zeros(

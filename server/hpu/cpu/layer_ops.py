@@ -103,6 +103,13 @@ class FusedCpuLayerOps(TorchLayerOps):
                          softcap: float | None = None, window: int | None = None,
                          chunk: int | None = None, sinks: torch.Tensor | None = None
                          ) -> torch.Tensor:
+        if meta.image_ends is not None:
+            # bidirectional image tokens (Gemma 3): the kernel's rows see a causal prefix
+            # only, so such a step (never packed) takes the masked PyTorch paths, reading
+            # the keys through a view of this backend's transposed blocks
+            return self.masked_prompt_attention(query, key, value, kv_cache[0].transpose(2, 3),
+                                                kv_cache[1], meta, bs, scale, softcap, window,
+                                                chunk, sinks)
         # after a cached prefix the kernel reads it from the cache, however long (measured
         # on SmolLM2 with a 1,000-token prefix: 1.35 s per hit, against 1.7 s for PyTorch's
         # masked attention over the gathered blocks and 4.4 s for an unfused one)

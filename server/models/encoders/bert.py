@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 # the same activations as oneDNN's GEMM epilogues name them: (activation, algorithm)
 _ONEDNN_ACTS = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"),
                 "gelu_pytorch_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
@@ -39,8 +39,8 @@ class BertConfig:
     @classmethod
     def from_hf(cls, hf: Any, roberta: bool) -> BertConfig:
         act = getattr(hf, "hidden_act", "gelu")
-        if act not in _ACTS:
-            raise ValueError(f"hidden_act {act!r} is not supported ({', '.join(_ACTS)})")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
         if getattr(hf, "position_embedding_type", "absolute") not in ("absolute", None):
             raise ValueError("only absolute position embeddings are supported")
         pad = getattr(hf, "pad_token_id", 0) or 0
@@ -114,7 +114,7 @@ class Intermediate(nn.Module):
         super().__init__()
         self.dense: nn.Module = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.act_name = cfg.hidden_act
-        self.act = _ACTS[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.act_fused = False  # set when the activation runs inside a packed GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -175,8 +175,9 @@ class DecoderEncoder(nn.Module):
         return self.norm(x)
 
     def head(self, last: torch.Tensor) -> torch.Tensor:
-        """Class logits from the last token's states ``[rows, hidden]``."""
-        return self.score(last)
+        """Class logits from the last token's states ``[rows, hidden]`` (the head is kept in
+        float32)."""
+        return self.score(last.to(self.score.weight.dtype))
 
     @staticmethod
     def checkpoint_name(name: str) -> str | None:

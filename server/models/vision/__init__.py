@@ -1,10 +1,13 @@
 """Vision towers of vision-language models: what turns an image's pixels into rows of the
 language model's embeddings. The language model itself is the Llama-family decoder
 (server/models/llama.py); ``config.py`` reads a checkpoint's vision settings, ``llava.py``
-builds LLaVA's CLIP tower and projector, ``qwen2_5_vl.py`` Qwen2.5-VL's dynamic-resolution
-tower. The functions here pick the family's."""
+builds LLaVA's CLIP tower and projector, ``gemma3.py`` Gemma 3's SigLIP tower and pooling
+projector (``vit.py``: the transformer layer both towers share), ``qwen2_5_vl.py``
+Qwen2.5-VL's dynamic-resolution tower. The functions here pick the family's."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -15,30 +18,41 @@ from server.models.vision.config import (
     VisionFamily,
     vision_config_of,
 )
+from server.models.vision.gemma3 import Gemma3Vision
 from server.models.vision.llava import LlavaVision
 from server.models.vision.qwen2_5_vl import QwenVision
 from server.models.vision.qwen2_5_vl_config import QwenVisionConfig
 
-# a vision-language checkpoint's tower, whichever family it is
-VisionModule = LlavaVision | QwenVision
+# what the engine runs: pixels [n, c, h, w] -> rows [n, tokens_per_image, text hidden]
+# (LLaVA, Gemma 3), or packed patches -> rows (Qwen2.5-VL, see qwen2_5_vl.py)
+VisionModel = LlavaVision | Gemma3Vision | QwenVision
 
 
-def build_vision(cfg: AnyVisionConfig) -> VisionModule:
+def build_vision(cfg: AnyVisionConfig) -> VisionModel:
+    """The vision side of ``cfg``'s family (weights uninitialised: load_vision fills them)."""
     if isinstance(cfg, QwenVisionConfig):
         return QwenVision(cfg)
+    if cfg.family is VisionFamily.GEMMA3:
+        return Gemma3Vision(cfg)
     return LlavaVision(cfg)
 
 
-def with_processor_kwargs(cfg: AnyVisionConfig, kwargs: dict[str, int]) -> AnyVisionConfig:
-    """The config under ``--mm-processor-kwargs`` (the resize bounds of a dynamic-resolution
-    processor); a ValueError where the family has no such setting."""
-    if isinstance(cfg, QwenVisionConfig):
-        return cfg.with_bounds(kwargs.get("min_pixels"), kwargs.get("max_pixels"))
-    if kwargs:
-        raise ValueError(f"--mm-processor-kwargs {', '.join(kwargs)}: {cfg.family} resizes "
-                         "every image to one size (the setting is for dynamic-resolution "
-                         "models such as Qwen2.5-VL)")
-    return cfg
+def with_processor_kwargs(cfg: AnyVisionConfig, kwargs: Mapping[str, object]
+                          ) -> AnyVisionConfig:
+    """The config under ``--mm-processor-kwargs``: a dynamic-resolution processor's resize
+    bounds (Qwen2.5-VL, which takes those two only: they size its encoder buckets); the
+    other families' processors check their own settings (the engine's image processor)."""
+    if not isinstance(cfg, QwenVisionConfig):
+        return cfg
+    bounds: dict[str, int] = {}
+    for key, value in kwargs.items():
+        if key not in ("min_pixels", "max_pixels"):
+            raise ValueError(f"--mm-processor-kwargs: {key!r} is not supported for "
+                             f"{cfg.family} (min_pixels, max_pixels)")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"--mm-processor-kwargs: {key} must be a pixel count >= 1")
+        bounds[key] = value
+    return cfg.with_bounds(bounds.get("min_pixels"), bounds.get("max_pixels"))
 
 
 def vision_tensor_name(family: VisionFamily, name: str) -> str | None:
@@ -49,7 +63,7 @@ def vision_tensor_name(family: VisionFamily, name: str) -> str | None:
     return llava.vision_tensor_name(name)
 
 
-def load_vision(module: VisionModule, tensors: dict[str, torch.Tensor], where: str,
+def load_vision(module: VisionModel, tensors: dict[str, torch.Tensor], where: str,
                 dry_run: bool = False) -> None:
     if isinstance(module, QwenVision):
         qwen2_5_vl.load_vision(module, tensors, where, dry_run)
@@ -57,6 +71,6 @@ def load_vision(module: VisionModule, tensors: dict[str, torch.Tensor], where: s
         llava.load_vision(module, tensors, where, dry_run)
 
 
-__all__ = ["AnyVisionConfig", "LlavaVision", "QwenVision", "QwenVisionConfig", "VisionConfig",
-           "VisionFamily", "VisionModule", "build_vision", "load_vision", "vision_config_of",
-           "vision_tensor_name", "with_processor_kwargs"]
+__all__ = ["AnyVisionConfig", "Gemma3Vision", "LlavaVision", "QwenVision", "QwenVisionConfig",
+           "VisionConfig", "VisionFamily", "VisionModel", "build_vision", "load_vision",
+           "vision_config_of", "vision_tensor_name", "with_processor_kwargs"]

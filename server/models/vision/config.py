@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ class VisionFamily(str, enum.Enum):
     """The vision-language families served (config.json's ``model_type``)."""
 
     LLAVA = "llava"
+    GEMMA3 = "gemma3"
     QWEN2_5_VL = "qwen2_5_vl"
 
     def __str__(self) -> str:
@@ -22,6 +24,7 @@ class VisionFamily(str, enum.Enum):
 
 # the architectures of config.json that carry a vision tower, by family
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": VisionFamily.LLAVA,
+                        "Gemma3ForConditionalGeneration": VisionFamily.GEMMA3,
                         "Qwen2_5_VLForConditionalGeneration": VisionFamily.QWEN2_5_VL}
 
 
@@ -48,6 +51,11 @@ class VisionConfig:
     feature_layer: int
     # "default": the class token is dropped; "full": kept
     feature_select: str
+    # Gemma 3: the patch rows are average-pooled into this many rows per image (0: none)
+    mm_tokens_per_image: int = 0
+    # Gemma 3: an image's tokens attend to each other both ways in the prefill (its
+    # prompt chunk holds the whole image, see server/hpu/attention.py image_ends)
+    bidirectional: bool = False
 
     @property
     def num_patches(self) -> int:
@@ -55,8 +63,10 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
-        """Rows of the language model's embeddings one image becomes (fixed for LLaVA: the
-        processor resizes and crops every image to ``image_size``)."""
+        """Rows of the language model's embeddings one image becomes (fixed for LLaVA and
+        Gemma 3: their processors resize every image to ``image_size``)."""
+        if self.mm_tokens_per_image:
+            return self.mm_tokens_per_image
         return self.num_patches + (1 if self.feature_select == "full" else 0)
 
     def describe(self) -> str:
@@ -92,6 +102,8 @@ def vision_config_of(hf: Any) -> AnyVisionConfig | None:
         given = ", ".join(architectures) or getattr(hf, "model_type", "?")
         raise ValueError(f"vision-language architecture {given} is not supported; supported: "
                          f"{', '.join(sorted(VISION_ARCHITECTURES))}")
+    if family is VisionFamily.GEMMA3:
+        return _gemma3(hf, vision)
     if family is VisionFamily.QWEN2_5_VL:
         return qwen_vision_config(hf, family)
     if getattr(vision, "model_type", "clip_vision_model") != "clip_vision_model":
@@ -123,4 +135,38 @@ def vision_config_of(hf: Any) -> AnyVisionConfig | None:
         projector_bias=bool(getattr(hf, "multimodal_projector_bias", True)),
         feature_layer=layer,
         feature_select=select,
+    )
+
+
+def _gemma3(hf: Any, vision: Any) -> VisionConfig:
+    """Gemma 3: the whole SigLIP tower (post-norm included), pooled to
+    ``mm_tokens_per_image`` rows a side's square."""
+    if getattr(vision, "model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise ValueError(f"Gemma 3 with a {vision.model_type} vision tower is not supported "
+                         "(siglip_vision_model)")
+    tokens = int(hf.mm_tokens_per_image)
+    side = int(vision.image_size) // int(vision.patch_size)
+    pooled = math.isqrt(tokens)
+    if pooled * pooled != tokens or side % pooled:
+        raise ValueError(f"mm_tokens_per_image {tokens}: not a square that pools the "
+                         f"{side}x{side} patches evenly")
+    return VisionConfig(
+        family=VisionFamily.GEMMA3,
+        image_token_id=int(hf.image_token_id),
+        text_hidden_size=int(hf.text_config.hidden_size),
+        hidden_size=int(vision.hidden_size),
+        intermediate_size=int(vision.intermediate_size),
+        num_layers=int(vision.num_hidden_layers),
+        num_heads=int(vision.num_attention_heads),
+        image_size=int(vision.image_size),
+        patch_size=int(vision.patch_size),
+        num_channels=int(getattr(vision, "num_channels", 3)),
+        layer_norm_eps=float(getattr(vision, "layer_norm_eps", 1e-6)),
+        hidden_act=str(getattr(vision, "hidden_act", "gelu_pytorch_tanh")),
+        projector_act="none",
+        projector_bias=False,
+        feature_layer=-1,
+        feature_select="full",
+        mm_tokens_per_image=tokens,
+        bidirectional=True,
     )

@@ -5,24 +5,12 @@ language model's embedding width. Parameter names follow Hugging Face's, so the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from server.models.errors import ModelFileError
 from server.models.vision.config import VisionConfig
-
-
-def _activation(name: str) -> nn.Module:
-    if name == "quick_gelu":
-        return _QuickGELU()
-    if name in ("gelu", "gelu_pytorch_tanh", "gelu_new"):
-        return nn.GELU(approximate="none" if name == "gelu" else "tanh")
-    raise ValueError(f"vision activation {name!r} is not supported")
-
-
-class _QuickGELU(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(1.702 * x)
+from server.models.vision.gemma3 import Gemma3Vision
+from server.models.vision.vit import EncoderLayer, activation
 
 
 class _Embeddings(nn.Module):
@@ -40,56 +28,11 @@ class _Embeddings(nn.Module):
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
 
 
-class _Attention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, h)
-        self.k_proj = nn.Linear(h, h)
-        self.v_proj = nn.Linear(h, h)
-        self.out_proj = nn.Linear(h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, t, h = x.shape
-
-        def heads(p: torch.Tensor) -> torch.Tensor:
-            return p.view(n, t, self.num_heads, -1).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)),
-                                             heads(self.v_proj(x)))
-        return self.out_proj(out.transpose(1, 2).reshape(n, t, h))
-
-
-class _MLP(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.act = _activation(cfg.hidden_act)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class _EncoderLayer(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.self_attn = _Attention(cfg)
-        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = _MLP(cfg)
-        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
-
-
 class _Encoder(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         # only the layers up to the selected hidden state: the others' output is unused
-        self.layers = nn.ModuleList(_EncoderLayer(cfg) for _ in range(cfg.layers_run))
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.layers_run))
 
 
 class CLIPVisionTower(nn.Module):
@@ -113,7 +56,7 @@ class Projector(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.linear_1 = nn.Linear(cfg.hidden_size, cfg.text_hidden_size, bias=cfg.projector_bias)
-        self.act = _activation(cfg.projector_act)
+        self.act = activation(cfg.projector_act)
         self.linear_2 = nn.Linear(cfg.text_hidden_size, cfg.text_hidden_size,
                                   bias=cfg.projector_bias)
 
@@ -143,6 +86,14 @@ class LlavaVision(nn.Module):
         c = self.config
         return c.num_channels, c.image_size, c.image_size
 
+    def skips(self, name: str) -> bool:
+        """Checkpoint tensors of the tower it does not use: the layers past the selected
+        hidden state, the post-norm."""
+        if name.startswith("vision_tower.post_layernorm.") or name.endswith("position_ids"):
+            return True
+        parts = name.split(".")
+        return parts[1:3] == ["encoder", "layers"] and int(parts[3]) >= self.config.layers_run
+
 
 def vision_tensor_name(name: str) -> str | None:
     """A checkpoint tensor's name in :class:`LlavaVision`, or None for a language-model
@@ -169,20 +120,14 @@ def text_tensor_name(name: str) -> str:
     return name
 
 
-def load_vision(module: LlavaVision, tensors: dict[str, torch.Tensor], where: str,
-                dry_run: bool = False) -> None:
-    """Copies the tower's and projector's tensors in; unused tower layers (past the selected
-    one, and the post-norm) are skipped; a missing or misshapen weight is a ModelFileError."""
+def load_vision(module: LlavaVision | Gemma3Vision, tensors: dict[str, torch.Tensor],
+                where: str, dry_run: bool = False) -> None:
+    """Copies the tower's and projector's tensors in; those the module does not use (its
+    ``skips``) are skipped; a missing or misshapen weight is a ModelFileError."""
     params = dict(module.named_parameters())
-    kept = module.config.layers_run
     loaded: set[str] = set()
     for name, tensor in tensors.items():
-        if name.startswith("vision_tower.post_layernorm."):
-            continue
-        parts = name.split(".")
-        if parts[1:3] == ["encoder", "layers"] and int(parts[3]) >= kept:
-            continue
-        if name.endswith("position_ids"):
+        if module.skips(name):
             continue
         if name not in params:
             raise ModelFileError(f"model file {where}: tensor {name!r} has no place in the "

@@ -40,6 +40,8 @@ class QwenVisionConfig:
     rope_theta: float
     min_pixels: int = DEFAULT_MIN_PIXELS
     max_pixels: int = DEFAULT_MAX_PIXELS
+    # image tokens attend causally, as text does (Gemma 3's attend both ways)
+    bidirectional: bool = False
 
     @property
     def merge_unit(self) -> int:

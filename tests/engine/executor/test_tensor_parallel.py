@@ -22,6 +22,7 @@ from server.engine.sampling_params import SamplingParams
 from server.hpu.distributed import ParallelContext
 from server.models.loader import load_model, resolve_model_source
 from server.models.tensor_parallel import ShardPlan
+from tests.recording_sampler import RecordingSampler
 
 pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
 
@@ -39,17 +40,6 @@ PROMPTS = [
 # a small KV cache per rank (the default budget is 4 GiB each, VLLM_CPU_KVCACHE_SPACE)
 SMALL = dict(block_size=16, max_num_seqs=8, max_model_len=256)
 
-
-class RecordingSampler:
-    """Rank 0's sampler, keeping a copy of every step's logits."""
-
-    def __init__(self, inner) -> None:  # noqa: ANN001 - server.engine.worker.sampler.Sampler
-        self.inner = inner
-        self.logits: list[torch.Tensor] = []
-
-    def __call__(self, logits: torch.Tensor, t):  # noqa: ANN001, ANN204
-        self.logits.append(logits.detach().float().clone())
-        return self.inner(logits, t)
 
 
 def generate(model: str | None, tp: int, prompts: list[str], max_tokens: int,
