@@ -1,5 +1,5 @@
 """How the images an encoder phase needs become encoder calls of planned shapes, per family:
-a batch of equal images padded with blank ones to an image-count bucket (LLaVA), or images
+a batch of equal images padded with blank ones to an image-count bucket (LLaVA, Gemma 3), or images
 of any size packed into one sequence padded to a patch-count bucket (Qwen2.5-VL). Each
 strategy also makes a bucket's warmup inputs and bounds its working memory."""
 
@@ -12,7 +12,7 @@ import torch
 
 from server.engine.multimodal.inputs import ImageSpan
 from server.engine.multimodal.plan import EncoderPlan
-from server.models.vision import LlavaVision, QwenVision, VisionModel
+from server.models.vision import Gemma3Vision, LlavaVision, QwenVision, VisionModel
 from server.models.vision.qwen2_5_vl import pack_images
 
 
@@ -33,10 +33,10 @@ class EncoderCall:
 
 
 class EqualImages:
-    """LLaVA: every image is ``pixel_shape``; calls of up to the largest bucket's images,
+    """LLaVA, Gemma 3: every image is ``pixel_shape``; calls of up to the largest bucket's images,
     the last padded up to the smallest bucket that holds the rest (blank images)."""
 
-    def __init__(self, vision: LlavaVision, plan: EncoderPlan, padded: bool,
+    def __init__(self, vision: LlavaVision | Gemma3Vision, plan: EncoderPlan, padded: bool,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.vision = vision
         self.buckets = list(plan.buckets)
