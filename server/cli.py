@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(buckets, SpeculativeConfig)
     # a vision model's encoder buckets: its folder's config.json (no weights) and the limit
     add_flags(buckets, ModelOptions, only=("model",))
-    add_flags(buckets, MultiModalConfig, only=("limit_mm_per_prompt",))
+    add_flags(buckets, MultiModalConfig, only=("limit_mm_per_prompt", "mm_processor_kwargs"))
     # a pooling model's plan is (batch, length) shapes of whole inputs, not prompt buckets
     add_flags(buckets, PoolingConfig, only=("runner", "convert", "task"))
     batch = sub.add_parser("run-batch", help="answer an OpenAI batch file offline (vLLM's "
@@ -161,24 +161,20 @@ def encoder_plan(args: argparse.Namespace, max_num_batched_tokens: int) -> str |
     model = args.model_flag or args.model
     if not model:
         return None
-    from server.hpu.buckets.encoder import (
-        encoder_buckets,
-        format_encoder_plan,
-        max_encoder_images,
-    )
+    from server.engine.multimodal.plan import encoder_plan as plan_of
     from server.models.loader import load_vision_config, resolve_model_source
+    from server.models.vision import with_processor_kwargs
 
     try:
         cfg = load_vision_config(resolve_model_source(model))
-        limit = MultiModalConfig(limit_mm_per_prompt=args.limit_mm_per_prompt).image_limit
+        mm = MultiModalConfig(limit_mm_per_prompt=args.limit_mm_per_prompt,
+                              mm_processor_kwargs=args.mm_processor_kwargs)
+        if cfg is None:
+            return None
+        cfg = with_processor_kwargs(cfg, mm.processor_kwargs)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    if cfg is None:
-        return None
-    buckets = encoder_buckets(max_encoder_images(limit, args.max_num_seqs,
-                                                 max_num_batched_tokens, cfg.tokens_per_image))
-    return format_encoder_plan(buckets, cfg.num_patches,
-                               f"{cfg.num_channels}x{cfg.image_size}x{cfg.image_size}")
+    return plan_of(cfg, mm.image_limit, args.max_num_seqs, max_num_batched_tokens).description
 
 
 def print_pooling_buckets(args: argparse.Namespace) -> int:

@@ -64,7 +64,8 @@ class MultiModalConfig:
         "", group=GROUP, metavar="JSON",
         help="settings of the checkpoint's image processor, as JSON (vLLM's flag); each "
              "must be one the processor has, and the engine must serve it (Gemma 3's "
-             "do_pan_and_scan: true is refused)")
+             "do_pan_and_scan: true is refused); Qwen2.5-VL: min_pixels / max_pixels, the "
+             "image size bounds that also size its encoder buckets")
     allowed_local_media_path: str = flag(
         "", group=GROUP, metavar="DIR",
         help="a folder whose files requests may name as file:// image URLs (unset: none)")

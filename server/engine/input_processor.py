@@ -18,7 +18,7 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.errors import RequestError
 from server.engine.lora.request import LoRARequest
 from server.engine.multimodal.inputs import ImageSpan
-from server.engine.multimodal.processor import ImageInputProcessor
+from server.engine.multimodal.prompts import ImagePrompts
 from server.engine.outputs import CompletionOutput, RequestMetrics
 from server.engine.request_state import RequestState
 from server.engine.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: SchedulerLimits,
                  block_size: int, num_blocks: int, structured: StructuredOutputsSource,
-                 images: ImageInputProcessor | None = None) -> None:
+                 images: ImagePrompts | None = None) -> None:
         self.tokenizer = tokenizer
         self.images = images  # a vision-language model's processor (None: text only)
         self.structured = structured
@@ -125,8 +125,9 @@ class InputProcessor:
                                "would cut through an image's tokens)", "truncate_prompt_tokens")
         ids, spans = self.images.process(prompt_ids, images, "messages")
         budget = self.limits.max_num_batched_tokens
-        if spans and spans[0].length > budget:
-            raise RequestError(f"an image takes {spans[0].length} tokens, more than a step "
+        longest = max((s.length for s in spans), default=0)
+        if longest > budget:
+            raise RequestError(f"an image takes {longest} tokens, more than a step "
                                f"computes (--max-num-batched-tokens {budget})", "messages")
         return ids, spans
 

@@ -25,7 +25,7 @@ from server.engine.iteration_stats import IterationTokens
 from server.engine.lora.registry import LoRARegistry
 from server.engine.lora.request import LoRARequest
 from server.engine.multimodal.inputs import VisionInfo
-from server.engine.multimodal.processor import ImageInputProcessor
+from server.engine.multimodal.prompts import image_prompts
 from server.engine.output_processor import OutputProcessor, ProcessedStep
 from server.engine.outputs import EngineStats, ModelRunnerOutput, RequestOutput
 from server.engine.request_state import RequestState
@@ -115,8 +115,8 @@ class LLMEngine:
         self.vision: VisionInfo | None = None
         images = None
         if loaded.vision is not None:
-            images = ImageInputProcessor(source.folder, loaded.vision.config, mm.image_limit,
-                                         mm.processor_kwargs)
+            images = image_prompts(source.folder, loaded.vision.config, mm.image_limit,
+                                   mm.processor_kwargs)
             self.vision = VisionInfo(mm.image_limit, mm.allowed_local_media_path,
                                      mm.image_fetch_timeout, mm.max_image_bytes,
                                      mm.max_image_pixels)

@@ -77,6 +77,9 @@ class ModelConfig:
     # RoPE over the first rotary_dim dims of each head only (partial_rotary_factor < 1);
     # None: the whole head
     rotary_dim: int | None = None
+    # M-RoPE (Qwen2.5-VL): the rotary frequencies in three sections, rotated by a token's
+    # temporal, height and width positions (positions then come as [3, ...]); None: RoPE
+    mrope_section: tuple[int, ...] | None = None
     # Gemma 3: the windowed layers' own RoPE (base and scaling), the global layers keep
     # rope_theta / rope_scaling
     local_rope_theta: float | None = None
@@ -196,6 +199,7 @@ class ModelConfig:
             logits_scaling=float(getattr(hf, "logits_scaling", 1.0) or 1.0),
             **_window_settings(hf),
             rotary_dim=rotary_dim,
+            mrope_section=_mrope_section(hf),
             local_rope_theta=local_theta,
             local_rope_scaling=local_scaling,
             quant=QuantConfig.from_hf(_as_dict(getattr(outer, "quantization_config", None))),
@@ -428,6 +432,20 @@ def _with_original_context(hf: Any, scaling: dict[str, Any] | None) -> dict[str,
     if scaling is not None and original and "original_max_position_embeddings" not in scaling:
         scaling = dict(scaling, original_max_position_embeddings=original)
     return scaling
+
+
+def _mrope_section(hf: Any) -> tuple[int, ...] | None:
+    """M-RoPE's frequency sections (temporal, height, width), from either config
+    generation."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+    section = params.get("mrope_section") if isinstance(params, dict) else None
+    if not section:
+        return None
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if sum(section) * 2 != head_dim or len(section) != 3:
+        raise ValueError(f"mrope_section {list(section)} must be three sections covering "
+                         f"half the head size {head_dim}")
+    return tuple(int(s) for s in section)
 
 
 def _partial_rotary_factor(hf: Any) -> float:

@@ -17,7 +17,7 @@ from server.models.lora import LayerLoRA, LoRASite, LoRASlots
 from server.models.mla import MLAttention
 from server.models.moe import SparseMoeBlock
 from server.models.norm import RMSNorm
-from server.models.rotary import RotaryEmbedding
+from server.models.rotary import MRotaryEmbedding, RotaryEmbedding
 
 _TORCH_OPS = TorchLayerOps()
 
@@ -196,8 +196,9 @@ class LlamaForCausalLM(nn.Module):
         mm_embeds: torch.Tensor | None = None,
         mm_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions ``[bs, q]`` -> final hidden states ``[bs, q, hidden]`` (then,
-        with :meth:`emit_aux_hidden`, the stream entering each of those layers);
+        """input_ids/positions ``[bs, q]`` (M-RoPE: positions ``[3, bs, q]``) -> final
+        hidden states ``[bs, q, hidden]`` (then, with :meth:`emit_aux_hidden`, the stream
+        entering each of those layers);
         ``lora_slots``: each token's adapter slot (0: none), with :meth:`enable_lora`;
         ``mm_embeds`` ``[bs * q, hidden]``: rows that replace the embeddings of the tokens
         ``mm_mask`` ``[bs * q, 1]`` marks (a vision-language prompt's image tokens)."""
@@ -212,8 +213,8 @@ class LlamaForCausalLM(nn.Module):
             # a select, not a scatter: the same graph whatever the number of image tokens
             x = torch.where(mm_mask.view(*x.shape[:2], 1),
                             mm_embeds.view(x.shape).to(x.dtype), x)
-        rope = self.rotary(positions.reshape(-1), x.dtype)
-        local_rope = (self.rotary_local(positions.reshape(-1), x.dtype)
+        rope = self.rotary(positions, x.dtype)
+        local_rope = (self.rotary_local(positions, x.dtype)
                       if self.rotary_local is not None else rope)
         residual = torch.zeros_like(x)  # 0 + x is exact: the first add changes nothing
         lora_mask = (self.lora_slots.mask(lora_slots)
@@ -234,8 +235,11 @@ class LlamaForCausalLM(nn.Module):
         Gemma 3's sliding layers' own."""
         cfg = self.config
         dim = cfg.rotary_dim or cfg.head_dim
-        rotary = RotaryEmbedding(dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling).to(device)
+        rotary = (MRotaryEmbedding(dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                   cfg.rope_scaling, cfg.mrope_section)
+                  if cfg.mrope_section else
+                  RotaryEmbedding(dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                  cfg.rope_scaling)).to(device)
         local = None
         if cfg.local_rope_theta is not None:
             local = RotaryEmbedding(dim, cfg.max_position_embeddings, cfg.local_rope_theta,

@@ -43,8 +43,18 @@ from server.models.safetensors_files import (
     safetensors_tensors,
 )
 from server.models.tensor_parallel import ShardPlan, build_model
-from server.models.vision import VisionConfig, VisionModel, build_vision, vision_config_of
-from server.models.vision.llava import load_vision, text_tensor_name, vision_tensor_name
+from server.models.vision import (
+    AnyVisionConfig,
+    QwenVisionConfig,
+    VisionFamily,
+    VisionModel,
+    build_vision,
+    load_vision,
+    vision_config_of,
+    vision_tensor_name,
+)
+from server.models.vision.llava import text_tensor_name
+from server.models.vision.qwen2_5_vl_config import processor_pixel_bounds
 from server.models.weight_load import TensorOrigin, load_into
 
 logger = logging.getLogger(__name__)
@@ -108,13 +118,17 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_hf(_text_config(hf))
 
 
-def load_vision_config(source: ModelSource) -> VisionConfig | None:
-    """The checkpoint's vision tower settings; None for a text-only model."""
+def load_vision_config(source: ModelSource) -> AnyVisionConfig | None:
+    """The checkpoint's vision tower settings (a dynamic-resolution processor's resize
+    bounds from its preprocessor_config.json); None for a text-only model."""
     if source.is_gguf:
         return None
     from transformers import AutoConfig
 
-    return vision_config_of(AutoConfig.from_pretrained(source.folder))
+    cfg = vision_config_of(AutoConfig.from_pretrained(source.folder))
+    if isinstance(cfg, QwenVisionConfig):
+        cfg = cfg.with_bounds(*processor_pixel_bounds(source.folder))
+    return cfg
 
 
 def _text_config(hf: object) -> object:
@@ -126,6 +140,8 @@ def _text_config(hf: object) -> object:
         return hf
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(hf, "dtype", None)
+    if getattr(hf, "tie_word_embeddings", False):  # transformers 5 keeps it outside
+        text.tie_word_embeddings = True
     return text
 
 
@@ -193,7 +209,8 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
         model.lm_head.weight = model.embed_tokens.weight
     # Under tensor parallelism the vision tower runs on rank 0 only (its rows travel with
     # each prefill's order, server/engine/executor/base.py): the other ranks skip it.
-    split = VisionSplit(keep=parallel.is_driver)
+    split = VisionSplit(vision_cfg.family if vision_cfg is not None else None,
+                        keep=parallel.is_driver)
     if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
         # the rank's bytes only
         slices = text_part(safetensors_slices(Path(source.folder)), cfg, log=True)
@@ -214,10 +231,7 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
         vision = build_vision(vision_cfg).to(device)
         load_vision(vision, split.vision, source.folder)
         vision.to(torch_dtype).eval()
-        logger.info("Vision tower: %s, %d layers of width %d, %d image tokens of %dx%d "
-                    "pixels, %.1fM params", vision_cfg.family, vision_cfg.layers_run,
-                    vision_cfg.hidden_size, vision_cfg.tokens_per_image,
-                    vision_cfg.image_size, vision_cfg.image_size,
+        logger.info("Vision tower: %s, %.1fM params", vision_cfg.describe(),
                     sum(p.numel() for p in vision.parameters()) / 1e6)
     params = {id(p): p for p in model.parameters()}.values()
     num_params = sum(p.numel() for p in params)
@@ -244,13 +258,15 @@ class VisionSplit:
     (or lazy slices) pass on under the Llama loader's names, the vision tower's are kept
     aside, read whole (``keep``; else dropped unread: a rank that runs no encoder)."""
 
-    def __init__(self, keep: bool = True) -> None:
+    def __init__(self, family: VisionFamily | None, keep: bool = True) -> None:
+        self.family = family
         self.keep = keep
         self.vision: dict[str, torch.Tensor] = {}
 
     def text(self, tensors: Iterator[tuple[str, T]]) -> Iterator[tuple[str, T]]:
         for name, tensor in tensors:
-            vision_name = vision_tensor_name(name)
+            vision_name = (vision_tensor_name(self.family, name) if self.family is not None
+                           else None)
             if vision_name is None:
                 yield text_tensor_name(name), tensor
             elif self.keep:  # a lazy slice (safetensors' get_slice) is read whole here
@@ -280,7 +296,7 @@ def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4We
 
 
 def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | None,
-                     vision_cfg: VisionConfig | None = None) -> None:
+                     vision_cfg: AnyVisionConfig | None = None) -> None:
     """Every checkpoint tensor's name and shape against the model ``cfg`` describes, and
     every weight of that model present, from the files' headers only (meta tensors: nothing
     is read or allocated), so that a damaged or mismatched checkpoint fails in one line
@@ -292,7 +308,7 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
                    else text_part(safetensors_shapes(Path(source.folder), origin.names), cfg))
-        split = VisionSplit()
+        split = VisionSplit(vision_cfg.family if vision_cfg is not None else None)
         if vision_cfg is not None:
             tensors = split.text(tensors)
         load_into(model, _canonical(tensors, cfg, gguf=reader is not None), origin,

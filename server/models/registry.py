@@ -57,6 +57,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("LlamaForCausalLM", "llama", "llama"),
     Architecture("MistralForCausalLM", "mistral", "mistral"),
     Architecture("Qwen2ForCausalLM", "qwen2", "qwen2", qkv_bias=True, gguf_permuted_qk=False),
+    # Qwen2.5-VL's language model: Qwen2 with M-RoPE (its rope_parameters' mrope_section);
+    # its vision tower is server/models/vision/qwen2_5_vl.py
+    Architecture("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text", None, qkv_bias=True,
+                 gguf_permuted_qk=False),
     Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", qk_norm=True, gguf_permuted_qk=False),
     # Granite's multipliers (embedding, residual, attention, logits) are config values
     Architecture("GraniteForCausalLM", "granite", "granite"),

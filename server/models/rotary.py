@@ -151,12 +151,37 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos, self.sin = self._tables(self.inv_freqs)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, D]`` for positions ``[T]``, looked up once per forward pass and
-        shared by every layer. Tables are float32; like the reference implementation, the
-        rotation itself runs in the activations' dtype."""
+        """cos, sin ``[T, 1, D]`` for positions of T tokens (any shape), looked up once per
+        forward pass and shared by every layer. Tables are float32; like the reference
+        implementation, the rotation itself runs in the activations' dtype."""
+        positions = positions.reshape(-1)
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL / Qwen2.5-VL): each token has three positions (temporal, height,
+    width; equal for text), and the frequencies come in three sections, each rotated by
+    one of them. Positions ``[3, ...]``; the result is plain per-token cos/sin, so the
+    layers and their kernels are those of RoPE."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None, section: tuple[int, ...]) -> None:
+        super().__init__(head_dim, max_positions, theta, scaling)
+        # which of the three positions rotates each of the D dims (both halves alike)
+        axis = torch.cat([torch.full((n,), i) for i, n in enumerate(section)])
+        self.register_buffer("axis", torch.cat([axis, axis]).view(1, 1, -1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = positions.reshape(3, -1)
+        pick = self.axis.to(flat.device).expand(1, flat.shape[1], -1)
+
+        def lookup(table: torch.Tensor) -> torch.Tensor:
+            per_axis = table.index_select(0, flat.reshape(-1)).view(3, flat.shape[1], -1)
+            return per_axis.gather(0, pick).squeeze(0).unsqueeze(1).to(dtype)
+
+        return lookup(self.cos), lookup(self.sin)
 
 
 def interleaved_to_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:

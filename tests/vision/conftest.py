@@ -21,3 +21,12 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object, 
     path = tmp_path_factory.mktemp("tiny-gemma3")
     model, processor = save_tiny_gemma3(path)
     return str(path), model, processor
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen25vl(tmp_path_factory: pytest.TempPathFactory):
+    """(folder, transformers' reference on the same weights)."""
+    from qwen_helpers import save_tiny_qwen25vl
+
+    path = tmp_path_factory.mktemp("tiny-qwen25vl")
+    return str(path), save_tiny_qwen25vl(path)

@@ -2,12 +2,14 @@
 are encoded (or found in the encoder cache, keyed by image hash) before the language model
 runs, and their rows replace the placeholder tokens' embeddings.
 
-Static shapes: the encoder runs on planned buckets of (images per call, patches per image);
-LLaVA's processor resizes every image to one size, so the patches are fixed and the buckets
-are the image counts 1, 2, 4... up to the most images one step can hold (its token budget
-over the tokens per image). More images than the largest bucket take several calls; fewer
-are padded with blank images. Every bucket is compiled before the port opens (compile
-mode), and compilations are counted under the ``encoder`` label like the steps' own.
+Static shapes: the encoder runs on planned buckets (plan.py). LLaVA's processor resizes
+every image to one size, so the patches are fixed and the buckets are the image counts 1,
+2, 4... up to the most images one step can hold (its token budget over the tokens per
+image); fewer images are padded with blank ones. Qwen2.5-VL's images come in any size
+within the processor's pixel bounds: they are packed into one sequence whose patch count is
+padded to a bucket (batching.py). More than the largest bucket takes several calls. Every
+bucket is compiled before the port opens (compile mode), and compilations are counted under
+the ``encoder`` label like the steps' own.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from prometheus_client import CollectorRegistry, Counter
 
 from server.config import ExecutionMode
 from server.engine.core.sequence import Sequence
+from server.engine.multimodal.batching import image_batches
 from server.engine.multimodal.inputs import ImageSpan
-from server.hpu.buckets.encoder import encoder_buckets, format_encoder_plan
+from server.engine.multimodal.plan import EncoderPlan
 from server.hpu.counters import DeviceCounters
 from server.hpu.types import SyncPoint
-from server.models.vision import VisionModel
+from server.models.vision import QwenVision, VisionModel
 
 logger = logging.getLogger(__name__)
 
@@ -70,20 +73,28 @@ class EncoderCache:
 class VisionEncoder:
     """Runs the vision tower on bucketed image batches, and builds a prefill's image rows."""
 
-    def __init__(self, vision: VisionModel, mode: ExecutionMode, counters: DeviceCounters,
-                 device: torch.device, dtype: torch.dtype, max_images: int,
+    def __init__(self, vision: VisionModel, plan: EncoderPlan, mode: ExecutionMode,
+                 counters: DeviceCounters, device: torch.device, dtype: torch.dtype,
                  cache_images: int) -> None:
         self.vision = vision
+        self.plan = plan
         self.counters = counters
         self.device = device
         self.dtype = dtype
         self.hidden = vision.config.text_hidden_size
-        self.pixel_shape = vision.pixel_shape()
-        self.buckets = encoder_buckets(max(1, max_images))
+        self.buckets = list(plan.buckets)
         self.cache = EncoderCache(cache_images, counters.model_name, counters.registry)
         self.compiled = mode is not ExecutionMode.EAGER
-        self._run = (torch.compile(vision, backend=self._counting_backend, dynamic=False)
-                     if self.compiled else vision)
+        self.batches = image_batches(vision, plan, self.compiled, device, dtype)
+        self._run: Any = vision
+        if self.compiled and isinstance(vision, QwenVision):
+            # Regional compilation: the blocks share one compiled graph per bucket (the
+            # window or full mask an input), the rest runs as it is; a whole-tower graph
+            # would cost several times the compile time for the same shapes.
+            for block in vision.blocks:
+                block.compile(backend=self._counting_backend, dynamic=False)
+        elif self.compiled:
+            self._run = torch.compile(vision, backend=self._counting_backend, dynamic=False)
 
     def _counting_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.counters.compiled(SyncPoint.ENCODER)
@@ -92,39 +103,24 @@ class VisionEncoder:
         return compile_fx(gm, example_inputs)
 
     def describe(self) -> str:
-        c, h, w = self.pixel_shape
-        return format_encoder_plan(self.buckets, self.vision.config.num_patches,
-                                   f"{c}x{h}x{w}")
+        return self.plan.description
 
     def warmup(self) -> None:
         """Compiles every encoder bucket (before the port opens)."""
         if not self.compiled:
             return
         for n in reversed(self.buckets):
-            logger.info("[Warmup][Encoder] images:%d patches:%d", n,
-                        self.vision.config.num_patches)
-            self._call(torch.zeros(n, *self.pixel_shape, dtype=self.dtype, device=self.device))
+            logger.info("[Warmup][Encoder] %s:%d", "patches" if self.plan.packed else "images",
+                        n)
+            self._run(*self.batches.dummy(n))
 
-    def _call(self, pixels: torch.Tensor) -> torch.Tensor:
-        n = pixels.shape[0]
-        if self.compiled and n not in self.buckets:
-            self.counters.missed(SyncPoint.ENCODER)
-        return self._run(pixels)
-
-    def encode(self, pixels: Seq[torch.Tensor]) -> list[torch.Tensor]:
-        """Each image's rows ``[tokens, hidden]``: in calls of the largest bucket, the last
-        call padded up to the smallest bucket that holds the rest."""
+    def encode(self, spans: Seq[ImageSpan]) -> list[torch.Tensor]:
+        """Each image's rows ``[tokens, hidden]``, in calls of planned shapes."""
         out: list[torch.Tensor] = []
-        largest = self.buckets[-1]
-        for at in range(0, len(pixels), largest):
-            group = list(pixels[at:at + largest])
-            size = next(b for b in self.buckets if b >= len(group)) if self.compiled \
-                else len(group)
-            batch = torch.zeros(size, *self.pixel_shape, dtype=self.dtype, device=self.device)
-            batch[:len(group)] = torch.stack(group).to(self.device, self.dtype)
-            rows = self._call(batch)
-            # copies: a view would keep the whole padded batch alive in the cache
-            out += [r.clone() for r in rows[:len(group)]]
+        for call in self.batches.calls(spans):
+            if self.compiled and call.size not in self.buckets:
+                self.counters.missed(SyncPoint.ENCODER)
+            out += call.split(self._run(*call.inputs))
         return out
 
     def rows(self, seqs: Seq[Sequence], new_tokens: Seq[int], starts: Seq[int], total: int
@@ -155,7 +151,7 @@ class VisionEncoder:
             else:
                 missing[span.hash] = span
         if missing:
-            encoded = self.encode([s.pixels for s in missing.values()])
+            encoded = self.encode(list(missing.values()))
             for key, rows in zip(missing, encoded):
                 found[key] = rows
                 self.cache.put(key, rows)
@@ -181,9 +177,6 @@ class VisionEncoder:
         return ends.to(self.device)
 
     def activation_bytes(self) -> int:
-        """A bound on the encoder's working memory at its largest bucket: a few layer-wide
-        tensors per token (attention scores included), for the start-up budget."""
-        c = self.vision.config
-        tokens = (c.num_patches + 1) * self.buckets[-1]
-        per_token = 6 * c.hidden_size + 2 * c.intermediate_size + c.num_heads * (c.num_patches + 1)
-        return tokens * per_token * torch.finfo(self.dtype).bits // 8
+        """A bound on the encoder's working memory at its largest bucket, for the start-up
+        budget."""
+        return self.batches.activation_bytes()

@@ -21,6 +21,10 @@ class ImageSpan:
     # the processor's pixel tensor of this one image (torch), kept to encode it again
     # after the encoder cache dropped it (a preempted request computes its prompt anew)
     pixels: Any = field(default=None, compare=False, repr=False)
+    # dynamic-resolution models (Qwen2.5-VL): the image's tokens as a (frames, rows,
+    # columns) grid, t * h * w == length; their M-RoPE positions and the encoder's packing
+    # follow it. None: every image is one fixed size
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:

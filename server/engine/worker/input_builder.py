@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from server.engine.core.sequence import Sequence
+from server.engine.multimodal.mrope import mrope_positions
 from server.engine.sampling_params import SamplingParams
 from server.hpu.attention import AttentionMetadata
 from server.hpu.graph_runner import ForwardInputs
@@ -41,6 +42,20 @@ class InputBuilder:
     # hybrid models: the state cache's padding slot (pad rows and warmup's stand-ins use
     # it); None: the model keeps no state
     pad_state_slot: int | None = None
+    # M-RoPE models (Qwen2.5-VL): positions go to the model as [3, bs, q] (temporal,
+    # height, width; an image's tokens by its grid), in every step and warmup shape alike
+    mrope: bool = False
+
+    def _rope_positions(self, seqs: list[Sequence], positions: torch.Tensor) -> torch.Tensor:
+        """Token indices ``[rows, q]`` (row i: ``seqs[i]``'s, the rest padding) as the
+        model's rotary embedding takes them."""
+        if not self.mrope:
+            return positions
+        out = positions.unsqueeze(0).repeat(3, 1, 1)
+        for row, seq in enumerate(seqs):
+            if seq.images:
+                out[:, row] = mrope_positions(seq.images, positions[row])
+        return out
 
     def _state(self, seqs: list[Sequence], bs: int, lens: list[int], continues: list[bool]
                ) -> StateInputs | None:
@@ -115,7 +130,7 @@ class InputBuilder:
             meta.total_lens = total.to(self.device)
         return ForwardInputs(
             token_ids.to(self.device),
-            torch.where(is_real, positions, 0).to(self.device),
+            self._rope_positions(seqs, torch.where(is_real, positions, 0)).to(self.device),
             meta,
             logits_indices.to(self.device),
             len(seqs),
@@ -172,8 +187,8 @@ class InputBuilder:
             block_list=block_list_t.to(dev), block_groups=groups_t.to(dev),
             block_mapping=mapping.to(dev), block_bias=block_bias.to(dev),
             block_start=starts_t.to(dev))
-        return ForwardInputs(token_ids.to(dev), positions.to(dev), meta,
-                             torch.arange(bs * q).to(dev), len(seqs))
+        return ForwardInputs(token_ids.to(dev), self._rope_positions(seqs, positions).to(dev),
+                             meta, torch.arange(bs * q).to(dev), len(seqs))
 
     def packed(self, seqs: list[Sequence], new_tokens: list[int],
                drafts: list[list[int]] | None = None) -> ForwardInputs:
@@ -210,9 +225,17 @@ class InputBuilder:
                                  seq_lens=(positions + 1).to(torch.int32).to(dev),
                                  has_context=any(starts), packed=len(seqs) > 1)
         logits_at = (torch.cumsum(lens, 0) - 1) if drafts is None else torch.arange(len(ids))
+        rope_positions = positions.view(1, -1)
+        if self.mrope:  # each sequence's stretch of the packed row
+            rope_positions = positions.unsqueeze(0).repeat(3, 1)
+            for seq, at, n in zip(seqs, first.tolist(), lens.tolist()):
+                if seq.images:
+                    rope_positions[:, at:at + n] = mrope_positions(seq.images,
+                                                                   positions[at:at + n])
+            rope_positions = rope_positions.view(3, 1, -1)
         return ForwardInputs(
             torch.tensor(ids).view(1, -1).to(dev),
-            positions.view(1, -1).to(dev),
+            rope_positions.to(dev),
             meta,
             logits_at.to(dev),
             len(seqs),
@@ -264,7 +287,7 @@ class InputBuilder:
         )
         return ForwardInputs(
             token_ids.view(bs, 1).to(dev),
-            pos_t.view(bs, 1).to(dev),
+            self._rope_positions(seqs, pos_t.view(bs, 1)).to(dev),
             meta,
             torch.arange(bs).to(dev),
             len(seqs),
@@ -289,7 +312,7 @@ class InputBuilder:
         )
         return ForwardInputs(
             torch.tensor([s.last_token_id for s in seqs], device=dev).view(bs, 1),
-            torch.tensor([n - 1 for n in lens], device=dev).view(bs, 1),
+            self._rope_positions(seqs, torch.tensor([n - 1 for n in lens]).view(bs, 1)).to(dev),
             meta,
             torch.arange(bs, device=dev),
             bs,

@@ -23,6 +23,7 @@ from server.engine.core.block_manager import blocks_for
 from server.engine.core.sequence import ScheduledBatch, Sequence
 from server.engine.lora.manager import LoRAManager, lora_dtype
 from server.engine.multimodal.encoder import VisionEncoder
+from server.engine.multimodal.plan import encoder_plan
 from server.engine.outputs import ModelRunnerOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import SleepLevel, WakeTag
@@ -48,7 +49,6 @@ from server.engine.worker.sampler import Sampler, SamplingTensors, to_token_logp
 from server.engine.worker.sleep import DeviceMemory, WeightLoader
 from server.engine.worker.state_plan import plan_state_cache
 from server.hpu.buckets.adaptive import AdaptiveBuckets
-from server.hpu.buckets.encoder import max_encoder_images
 from server.hpu.buckets.lookup import ShapePlanner, exact_bucket, padded_size
 from server.hpu.buckets.plan import (
     decode_buckets,
@@ -70,6 +70,7 @@ from server.models.eagle import EagleHead
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import LoadedModel
 from server.models.lora import LoRASlots, SlotWriter
+from server.models.vision import with_processor_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -168,17 +169,21 @@ class ModelRunner:
         # a vision-language model: the encoder phase of prefills, its buckets and cache
         self.vision: VisionEncoder | None = None
         if loaded.vision is not None:
-            self.vision = VisionEncoder(
-                loaded.vision, mode, self.counters, platform.device, loaded.dtype,
-                max_images=max_encoder_images(
-                    config.multimodal.image_limit, limits.max_num_seqs,
-                    limits.max_num_batched_tokens, loaded.vision.config.tokens_per_image),
-                cache_images=config.multimodal.mm_encoder_cache_images)
+            mm = config.multimodal
+            plan = encoder_plan(with_processor_kwargs(loaded.vision.config, mm.processor_kwargs),
+                                mm.image_limit, limits.max_num_seqs,
+                                limits.max_num_batched_tokens)
+            self.vision = VisionEncoder(loaded.vision, plan, mode, self.counters,
+                                        platform.device, loaded.dtype,
+                                        cache_images=mm.mm_encoder_cache_images)
             logger.info("%s", self.vision.describe())
         # --speculative-config draft_model: the draft runs the target's layer ops (one
         # input layout for both) and holds the target's blocks in its own cache
         draft_block_bytes = 0
         if draft is not None:
+            if cfg.mrope_section is not None:  # the draft's RoPE reads plain positions
+                raise ValueError("--speculative-config draft_model: not with an M-RoPE "
+                                 "model (Qwen2.5-VL) yet")
             if config.device.enable_sleep_mode:
                 raise ValueError("--speculative-config draft_model: not with "
                                  "--enable-sleep-mode yet")
@@ -219,7 +224,8 @@ class ModelRunner:
                                    self.kv_cache_bytes)
         self.inputs = InputBuilder(self.block_size, self.num_blocks, platform.device,
                                    loaded.dtype, limits.max_model_len, ops.decode_layout,
-                                   self.state.pad_slot if self.state is not None else None)
+                                   self.state.pad_slot if self.state is not None else None,
+                                   mrope=cfg.mrope_section is not None)
         graphs: ShapeRunner = platform.graph_runner(
             mode, ModelForward(loaded.model, self.kv_caches, self.state_caches,
                                FeatureTap(head, store) if head is not None and store else None),

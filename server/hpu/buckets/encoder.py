@@ -1,5 +1,7 @@
-"""The vision encoder's buckets: (images per call, patches per image). Pure Python, so the
-``buckets`` command prints them without loading a model."""
+"""The vision encoder's buckets: (images per call, patches per image) where every image is
+one size (LLaVA), patches per call where images of any size are packed into one sequence
+(Qwen2.5-VL's dynamic resolution). Pure Python, so the ``buckets`` command prints them
+without loading a model."""
 
 from __future__ import annotations
 
@@ -23,3 +25,36 @@ def encoder_buckets(max_images: int) -> list[int]:
 def format_encoder_plan(buckets: list[int], patches: int, pixels: str) -> str:
     return (f"Generated {len(buckets)} encoder buckets [images, patches] ({pixels} pixels "
             f"per image): {[(n, patches) for n in buckets]}")
+
+
+def max_encoder_patches(image_limit: int, max_num_seqs: int, max_num_batched_tokens: int,
+                        most_tokens: int, merge_unit: int) -> int:
+    """The most patches one packed encoder call needs: the images one prefill step can
+    reach (its token budget of image rows, no more than every sequence's allowance of the
+    largest images), ``merge_unit`` patches a row."""
+    rows = min(image_limit * max_num_seqs * most_tokens, max(max_num_batched_tokens,
+                                                             most_tokens))
+    return max(1, rows) * merge_unit
+
+
+def patch_buckets(fewest: int, most: int, multiple: int) -> list[int]:
+    """Patches per packed call: doubling from the smallest image's patches (a power of
+    two) up to ``most``, each a multiple of ``multiple`` (whole merged rows)."""
+    def whole(n: int) -> int:
+        return -(-n // multiple) * multiple
+
+    sizes, n = [], 1
+    while n < fewest:
+        n *= 2
+    while n < most:
+        if whole(n) not in sizes:
+            sizes.append(whole(n))
+        n *= 2
+    top = whole(most)
+    return [s for s in sizes if s < top] + [top]
+
+
+def format_patch_plan(buckets: list[int], fewest: int, most: int, unit: int) -> str:
+    return (f"Generated {len(buckets)} encoder buckets [patches per call] (images of "
+            f"{fewest} to {most} tokens of {unit} patches, packed into one call, padded to "
+            f"the bucket): {buckets}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.models.registry import served_as_text
+from server.models.vision.qwen2_5_vl_config import QwenVisionConfig, qwen_vision_config
 
 
 class VisionFamily(str, enum.Enum):
@@ -15,6 +16,7 @@ class VisionFamily(str, enum.Enum):
 
     LLAVA = "llava"
     GEMMA3 = "gemma3"
+    QWEN2_5_VL = "qwen2_5_vl"
 
     def __str__(self) -> str:
         return self.value
@@ -22,7 +24,8 @@ class VisionFamily(str, enum.Enum):
 
 # the architectures of config.json that carry a vision tower, by family
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": VisionFamily.LLAVA,
-                        "Gemma3ForConditionalGeneration": VisionFamily.GEMMA3}
+                        "Gemma3ForConditionalGeneration": VisionFamily.GEMMA3,
+                        "Qwen2_5_VLForConditionalGeneration": VisionFamily.QWEN2_5_VL}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,11 @@ class VisionConfig:
             return self.mm_tokens_per_image
         return self.num_patches + (1 if self.feature_select == "full" else 0)
 
+    def describe(self) -> str:
+        return (f"{self.family}, {self.layers_run} layers of width {self.hidden_size}, "
+                f"{self.tokens_per_image} image tokens of {self.image_size}x{self.image_size} "
+                "pixels")
+
     @property
     def layers_run(self) -> int:
         """Tower layers up to the selected hidden state (the rest would be discarded)."""
@@ -73,7 +81,11 @@ class VisionConfig:
         return layer if layer >= 0 else self.num_layers + 1 + layer
 
 
-def vision_config_of(hf: Any) -> VisionConfig | None:
+# a vision-language checkpoint's vision settings, whichever family it is
+AnyVisionConfig = VisionConfig | QwenVisionConfig
+
+
+def vision_config_of(hf: Any) -> AnyVisionConfig | None:
     """The vision settings of a Hugging Face config; None for a text-only model. A vision
     checkpoint of a family not served is a ValueError naming it."""
     vision = getattr(hf, "vision_config", None)
@@ -92,6 +104,8 @@ def vision_config_of(hf: Any) -> VisionConfig | None:
                          f"{', '.join(sorted(VISION_ARCHITECTURES))}")
     if family is VisionFamily.GEMMA3:
         return _gemma3(hf, vision)
+    if family is VisionFamily.QWEN2_5_VL:
+        return qwen_vision_config(hf, family)
     if getattr(vision, "model_type", "clip_vision_model") != "clip_vision_model":
         raise ValueError(f"LLaVA with a {vision.model_type} vision tower is not supported "
                          "(clip_vision_model)")
