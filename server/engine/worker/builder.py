@@ -84,6 +84,12 @@ def load_head(config: EngineConfig, loaded: LoadedModel, parallel: ParallelConte
     if parallel.world_size > 1:
         raise ValueError(f"--speculative-config {spec.method}: not with "
                          "--tensor-parallel-size > 1 yet")
+    if loaded.config.mrope_section is not None:  # the head's RoPE reads plain positions
+        raise ValueError(f"--speculative-config {spec.method}: not with an M-RoPE model "
+                         "(Qwen2.5-VL) yet")
+    if spec.method is SpecMethod.EAGLE3 and not hasattr(loaded.model, "emit_aux_hidden"):
+        raise ValueError(f"--speculative-config eagle3: the {type(loaded.model).__name__} "
+                         "target cannot emit its intermediate hidden states yet")
     source = resolve_model_source(spec.model)
     head = load_eagle_head(source.folder, spec.method.value, loaded.model, loaded.dtype,
                            next(loaded.model.parameters()).device, max_model_len)
