@@ -69,6 +69,13 @@ class FileResult:
     crashed: str = ""  # pytest itself failed (no report written)
 
 
+def _set_context(config: Path, positions: int, section: str | None = None) -> None:
+    """A rotary model's context is a config number (no position table grows with it)."""
+    data = json.loads(config.read_text())
+    (data[section] if section else data)["max_position_embeddings"] = positions
+    config.write_text(json.dumps(data, indent=1))
+
+
 def stage(vllm_src: Path, files: list[str]) -> Path:
     """A tree with the shim at its root and the selected vLLM files under tests/."""
     staging = Path(tempfile.mkdtemp(prefix="vllm-tests-"))
@@ -78,6 +85,7 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
     if importlib.util.find_spec("pytest_asyncio") is None:  # else the real plugin runs them
         shutil.copy(shim / "pytest_asyncio.py", staging / "pytest_asyncio.py")
     shutil.copy(HERE / "known.py", staging / "known.py")
+    shutil.copy(shim / "stand_ins.py", staging / "stand_ins.py")
     (staging / "tests").mkdir()
     shutil.copy(shim / "tests_utils.py", staging / "tests" / "utils.py")
     shutil.copy(shim / "tests_conftest.py", staging / "tests" / "conftest.py")
@@ -95,6 +103,20 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
     from conftest import save_tiny_model
 
     save_tiny_model(staging / "embedder")
+    # and for the rerankers they name (bge-reranker-v2-m3): a tiny random cross-encoder of
+    # the same architecture (XLMRobertaForSequenceClassification, one label)
+    sys.path.insert(0, str(ROOT))
+    from tests.pooling.conftest import save_hf
+
+    save_hf(staging / "reranker", "xlm-roberta", classify=True, num_labels=1, seed=1)
+    # the models stand_ins.py names, in their own shape
+    save_tiny_model(staging / "tiny-llama")
+    _set_context(staging / "tiny-llama" / "config.json", 131072)
+    sys.path.insert(0, str(ROOT / "tests" / "vision"))
+    from vision_helpers import save_tiny_llava
+
+    save_tiny_llava(staging / "vlm")
+    _set_context(staging / "vlm" / "config.json", 4096, "text_config")
     # ``vllm run-batch`` as the tests call it: the shim's run-batch, in this interpreter
     (staging / "bin").mkdir()
     command = staging / "bin" / "vllm"
@@ -146,7 +168,10 @@ def run_file(staging: Path, rel: str, timeout_s: int, log_dir: Path,
     log = log_dir / (rel.replace("/", "__") + ".log")
     env = dict(os.environ, HPU_SERVE_ROOT=str(ROOT), PYTHONPATH=str(staging),
                PATH=f"{staging / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-               VLLM_SHIM_EMBEDDER=str(staging / "embedder"))
+               VLLM_SHIM_EMBEDDER=str(staging / "embedder"),
+               VLLM_SHIM_RERANKER=str(staging / "reranker"),
+               VLLM_SHIM_TINY_LLAMA=str(staging / "tiny-llama"),
+               VLLM_SHIM_VLM=str(staging / "vlm"))
     cmd = [sys.executable, "-m", "pytest", rel, "-p", "no:cacheprovider", "-p", "no:randomly",
            "-p", "no:anyio", f"--timeout={timeout_s}", "-rA",
            f"--junitxml={junit}", "-o", "junit_family=xunit2",
