@@ -11,11 +11,9 @@ NA_PREFIX = "not applicable: "
 AUDIO = ("speech to text (Whisper's /v1/audio/transcriptions and translations); hpu-serve "
          "serves text models, and the test's audio is fetched from the hub")
 VLLM_UNIT = "a unit test of vLLM's internal Python objects, not of the HTTP server"
-SDK_VERSION = ("compares the openai SDK's model_dump() with the wire answer's keys: openai "
-               "3.57 (installed here) declares metadata and moderation, which neither vLLM nor "
-               "hpu-serve sends, so vLLM fails it the same way with this SDK; what it checks "
-               "(/invocations answers as /v1/chat/completions, same keys, same choices) is "
-               "tests/api/test_sagemaker.py's")
+SDK_VERSION = ("compares openai's model_dump() keys with the wire's: openai 3.57 (installed "
+               "here) declares metadata and moderation, which neither vLLM nor hpu-serve sends "
+               "(vLLM fails it too); tests/api/test_sagemaker.py checks the keys on the wire")
 
 # (file, part of the test id) -> reason
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
@@ -74,9 +72,21 @@ FAILURES: dict[str, tuple[Kind, str]] = {
     "chat_completion/test_chat.py::test_complex_message_content": (
         Kind.MODEL_SPECIFIC, "expects zephyr's exact answer \"2\"; SmolLM2 said "
         "\"1 + 1 = 2\""),
+    "chat_completion/test_chat.py::test_custom_role": (
+        Kind.NOT_FINISHED, "the client's 600 s timeout fired: the request has no max_tokens, "
+        "SmolLM2's greedy answer to it runs past 400 tokens (checked on a server of its own: "
+        "\"1+1 is a mathematical concept that has been debated by philosophers...\"), and "
+        "test_chat.py's server, which serves a LoRA adapter too, made ~0.5 tokens/s here"),
+    "test_root_path.py::test_chat_session_root_path_with_api_key[test_case2]": (
+        Kind.NOT_FINISHED, "the client's 600 s timeout fired: the request samples (no "
+        "temperature) with no max_tokens; SmolLM2's continuations of the saying ran 150, 371 "
+        "and over 400 tokens on three seeds (checked on a server of its own), too long for "
+        "this shared CPU within 600 s"),
     "responses/test_basic.py::test_simple_input": (
         Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's answer (\"312\" for 13 * 24) and a "
-        "reasoning item (Qwen3 thinks in <think>; SmolLM2-135M does neither)"),
+        "reasoning item (Qwen3 thinks in <think>; SmolLM2-135M does neither); its run here "
+        "did not finish within the per-test timeout (no max_output_tokens), which would not "
+        "change that"),
     "responses/test_basic.py::test_instructions": (
         Kind.MODEL_SPECIFIC, "expects Qwen3-1.7B's arithmetic (\"312\") and that it "
         "follows the instruction to end with QED"),
