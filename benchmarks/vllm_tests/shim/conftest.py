@@ -1,6 +1,6 @@
 """Root conftest of the staging tree (in place of vLLM's tests/conftest.py, which needs vLLM):
-the pytest-asyncio stand-in, the hub LoRA adapters the tests ask for, and the not-applicable
-marks from known.py."""
+the pytest-asyncio stand-in, a stand-in for the hub LoRA adapters the tests ask for, and the
+not-applicable marks from known.py."""
 
 from __future__ import annotations
 
@@ -15,13 +15,19 @@ if getattr(importlib.import_module("pytest_asyncio"), "STAND_IN", False):
 
 
 def _unavailable_lora(repo_id: str) -> str:
-    return UNAVAILABLE_LORA + repo_id
+    """The adapter in the embedded model's shape that run.py laid out (for the files that
+    use hub adapters), else a path the server is started without."""
+    import os
+
+    built = os.environ.get("VLLM_SHIM_LORA", "")
+    return built if os.path.isdir(built) else UNAVAILABLE_LORA + repo_id
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _hub_lora_adapters() -> None:
     """vLLM's test modules download LoRA adapters for their own base models from the hub;
-    such an adapter cannot be applied to the embedded model, so none is downloaded."""
+    such an adapter cannot be applied to the embedded model: the stand-in adapter of the
+    embedded model's shape is handed out instead."""
     import huggingface_hub
 
     def snapshot_download(repo_id: str, *args: object, **kwargs: object) -> str:

@@ -2,8 +2,9 @@
 ``RemoteOpenAIServer`` starts hpu-serve where vLLM's tests start ``vllm serve``.
 
 The embedded model (SmolLM2-135M-Instruct) answers under the name each test asks for
-(``--served-model-name``); every other flag is passed through as the test wrote it, since
-hpu-serve takes vLLM's flags (one it does not know stops start-up, naming it)."""
+(``--served-model-name``), but for the few models stand_ins.py builds in their own shape;
+every other flag is passed through as the test wrote it, since hpu-serve takes vLLM's flags
+(one it does not know stops start-up, naming it)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ HPU_SERVE_ROOT = Path(os.environ["HPU_SERVE_ROOT"])
 sys.path.insert(0, str(HPU_SERVE_ROOT / "benchmarks"))
 
 from local_server import start_server, stop_server  # noqa: E402
+from stand_ins import folder_for  # noqa: E402
 
 
 def _split_model(model: str, args: list[str]) -> tuple[str, list[str]]:
@@ -103,14 +105,16 @@ class RemoteOpenAIServer:
         if override_hf_configs:
             raise NotImplementedError("override_hf_configs: the embedded model has no HF config")
         self.model, args = _split_model(model, _drop_unavailable_lora(list(vllm_serve_args)))
-        args = _cap_context(args)
+        stand_in = folder_for(self.model)
+        if stand_in is None:  # the embedded model, whose context may be shorter
+            args = _cap_context(args)
         self.show_hidden_metrics = any(a.startswith("--show-hidden-metrics-for-version")
                                        for a in args)
         if seed is not None and "--seed" not in args:
             args += ["--seed", str(seed)]
         flags = ["--served-model-name", self.model, *args]
         env = dict(os.environ, **(env_dict or {}))
-        self.proc, url, self.log = start_server(None, flags, timeout_s=max_wait_seconds or 600,
+        self.proc, url, self.log = start_server(stand_in, flags, timeout_s=max_wait_seconds or 600,
                                                 env=env)
         self.host, port = url.removeprefix("http://").split(":")
         self.port = int(port)

@@ -41,14 +41,29 @@ class ClassificationRequest(RequestModel):
     use_activation: bool | None = None  # false: the head's raw logits
 
 
+ScoreSide = Text | list[Text]
+
+
 class ScoreRequest(RequestModel):
-    """``text_1`` against ``text_2``: one to one, one to many, or pairwise (N to N)."""
+    """One side against the other: one to one, one to many, or pairwise (N to N). The sides
+    come under one of vLLM's spellings (``SCORE_SPELLINGS``); which one is checked where the
+    request is served, so that the 400 names the fields the client sent."""
 
     model: Text | None = None
-    text_1: Text | list[Text]
-    text_2: Text | list[Text]
+    queries: ScoreSide | None = None
+    documents: ScoreSide | None = None
+    items: ScoreSide | None = None
+    data_1: ScoreSide | None = None
+    data_2: ScoreSide | None = None
+    text_1: ScoreSide | None = None
+    text_2: ScoreSide | None = None
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None  # false: a cross-encoder's raw logit
+
+
+# vLLM's names for the two sides of /score, newest first (text_1 / text_2 is the oldest)
+SCORE_SPELLINGS: tuple[tuple[str, str], ...] = (
+    ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 
 
 class RerankRequest(RequestModel):

@@ -14,6 +14,7 @@ from server.api.answer_json import dumps
 from server.api.errors import APIError
 from server.api.pooling.checks import reject_unsupported
 from server.api.pooling.protocol import (
+    SCORE_SPELLINGS,
     ClassificationData,
     ClassificationRequest,
     ClassificationResponse,
@@ -31,6 +32,7 @@ from server.api.pooling.protocol import (
     ScoreData,
     ScoreRequest,
     ScoreResponse,
+    ScoreSide,
 )
 from server.api.serving import RequestTag, ServingContext, check_model, merge, submit
 from server.api.tools import template_messages
@@ -218,20 +220,41 @@ async def create_classification(ctx: ServingContext, req: ClassificationRequest,
         usage=_usage(outputs)).model_dump_json().encode())
 
 
-def _pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
+def _score_sides(req: ScoreRequest) -> tuple[tuple[str, ScoreSide], tuple[str, ScoreSide]]:
+    """The two sides of a /score request with the names the client gave them: exactly one of
+    vLLM's spellings, whole (a mix such as ``queries`` with ``text_2`` is ambiguous)."""
+    names = dict.fromkeys(n for pair in SCORE_SPELLINGS for n in pair)
+    given = [n for n in names if getattr(req, n) is not None]
+    for first, second in SCORE_SPELLINGS:
+        if set(given) == {first, second}:
+            return (first, getattr(req, first)), (second, getattr(req, second))
+    spellings = ", ".join(f"{a} and {b}" for a, b in SCORE_SPELLINGS)
+    if not given:
+        param = "queries"
+    elif len(given) == 1:  # the partner it lacks
+        param = next(b if a in given else a for a, b in SCORE_SPELLINGS if given[0] in (a, b))
+    else:  # a mix of spellings
+        param = given[-1]
+    raise APIError(400, f"give the texts to score as one pair of fields ({spellings}); got "
+                        f"{', '.join(given) if given else 'none of them'}", param)
+
+
+def _pairs(side_1: tuple[str, ScoreSide], side_2: tuple[str, ScoreSide]
+           ) -> list[tuple[str, str]]:
     """1:1, 1:N (one query, many documents) or N:N (pairwise)."""
+    (name_1, text_1), (name_2, text_2) = side_1, side_2
     first = [text_1] if isinstance(text_1, str) else list(text_1)
     second = [text_2] if isinstance(text_2, str) else list(text_2)
     if not first or not second:
-        raise APIError(400, "text_1 and text_2 must be non-empty", "text_1" if not first
-                       else "text_2")
+        raise APIError(400, f"{name_1} and {name_2} must be non-empty",
+                       name_1 if not first else name_2)
     if len(first) == 1:
         first = first * len(second)
     if len(first) != len(second):
-        raise APIError(400, f"text_1 has {len(first)} items and text_2 {len(second)}: give "
-                            "one text_1, or as many as text_2", "text_2")
+        raise APIError(400, f"{name_1} has {len(first)} items and {name_2} {len(second)}: "
+                            f"give one {name_1}, or as many as {name_2}", name_2)
     if len(second) > MAX_INPUTS:
-        raise APIError(400, f"at most {MAX_INPUTS} pairs in one request", "text_2")
+        raise APIError(400, f"at most {MAX_INPUTS} pairs in one request", name_2)
     return list(zip(first, second))
 
 
@@ -274,7 +297,7 @@ async def create_score(ctx: ServingContext, req: ScoreRequest, tag: RequestTag) 
     pooling_info(ctx)
     check_model(ctx, req.model)
     reject_unsupported(req)
-    scores, tokens = await score_pairs(ctx, tag, _pairs(req.text_1, req.text_2),
+    scores, tokens = await score_pairs(ctx, tag, _pairs(*_score_sides(req)),
                                        req.truncate_prompt_tokens,
                                        req.use_activation is not False)
     return JSONBytes(ScoreResponse(

@@ -41,22 +41,26 @@ class EncoderCache:
     def __init__(self, capacity: int, model_name: str, registry: CollectorRegistry) -> None:
         self.capacity = capacity
         self._items: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self._queries = Counter("hpu_serve:encoder_cache_queries",
-                                "Images the vision encoder's cache was asked for.",
-                                ["model_name"], registry=registry).labels(model_name)
-        self._hits = Counter("hpu_serve:encoder_cache_hits",
-                             "Images found encoded in the vision encoder's cache.",
-                             ["model_name"], registry=registry).labels(model_name)
+        # each count under its own name and vLLM's (its dashboards read vllm:mm_cache_*)
+        self._queries = [Counter(name, "Images the vision encoder's cache was asked for.",
+                                 ["model_name"], registry=registry).labels(model_name)
+                         for name in ("hpu_serve:encoder_cache_queries",
+                                      "vllm:mm_cache_queries")]
+        self._hits = [Counter(name, "Images found encoded in the vision encoder's cache.",
+                              ["model_name"], registry=registry).labels(model_name)
+                      for name in ("hpu_serve:encoder_cache_hits", "vllm:mm_cache_hits")]
         self.queries = 0
         self.hits = 0
 
     def get(self, key: bytes) -> torch.Tensor | None:
         self.queries += 1
-        self._queries.inc()
+        for counter in self._queries:
+            counter.inc()
         found = self._items.get(key)
         if found is not None:
             self.hits += 1
-            self._hits.inc()
+            for counter in self._hits:
+                counter.inc()
             self._items.move_to_end(key)
         return found
 

@@ -1,5 +1,6 @@
-"""``get_tokenizer``: transformers' tokenizer of the embedded model, which answers under every
-model name the tests use (an independent reading of the same GGUF the server loads)."""
+"""``get_tokenizer``: transformers' tokenizer of the model served under the name: the embedded
+model (an independent reading of the same GGUF the server loads), or the stand-in checkpoint
+of stand_ins.py."""
 
 from __future__ import annotations
 
@@ -21,5 +22,15 @@ def _embedded() -> Any:
                                          local_files_only=True)
 
 
+@functools.cache
+def _stand_in(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
 def get_tokenizer(tokenizer_name: str = "", *args: Any, **kwargs: Any) -> Any:
-    return _embedded()
+    from stand_ins import folder_for
+
+    folder = folder_for(str(tokenizer_name))
+    return _stand_in(folder) if folder else _embedded()

@@ -41,7 +41,10 @@ def hpu_serve_args(argv: list[str]) -> list[str]:
     args = ["run-batch", *rest, "--seed", "0"]
     if model is not None:
         args += ["--served-model-name", model]
-        if model.startswith(EMBEDDING_MODELS) and "reranker" not in model:
+        if "reranker" in model:
+            # a cross-encoder: a tiny random one of the same architecture (run.py lays it out)
+            args += [os.environ["VLLM_SHIM_RERANKER"]]
+        elif model.startswith(EMBEDDING_MODELS):
             # the embedded model is a GGUF file, which the pooling runner does not load: a
             # tiny random Llama (an HF folder run.py lays out) is the embedder instead
             args += [os.environ["VLLM_SHIM_EMBEDDER"], "--convert", "embed"]
