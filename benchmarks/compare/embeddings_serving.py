@@ -37,7 +37,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import Server, free_port, python_has  # noqa: E402
+from compare import Server, free_port, python_has, thread_envs  # noqa: E402
 from embeddings import build_folder, make_texts  # noqa: E402
 
 
@@ -47,12 +47,13 @@ def servers(args: argparse.Namespace, folder: Path) -> list[Server]:
               "--max-num-seqs", str(args.batch_size),
               "--max-num-batched-tokens", str(args.batch_size * args.max_model_len),
               "--host", "127.0.0.1"]
+    ours, theirs = thread_envs(args.threads, 1, pin=not args.no_pin)
     configs = [("hpu-serve", [])]
     for spec in args.hpu_serve_config:
         label, _, flags = spec.partition("=")
         configs.append((f"hpu-serve[{label}]", shlex.split(flags)))
     found = [Server(name, [sys.executable, "-m", "server", "serve", str(folder), *common,
-                           *flags, "--port", str(port := free_port())], port)
+                           *flags, "--port", str(port := free_port())], port, env=ours)
              for name, flags in configs]
     if not python_has(args.vllm_python, "vllm"):
         sys.exit(f"vllm: not installed at {args.vllm_python} "
@@ -60,9 +61,7 @@ def servers(args: argparse.Namespace, folder: Path) -> list[Server]:
     found.append(Server("vllm", [
         args.vllm_python, str(Path(__file__).with_name("vllm_cpu_cli.py")), "serve",
         str(folder), *common, "--port", str(port := free_port())], port,
-        env={"VLLM_CPU_KVCACHE_SPACE": "1",
-             "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1
-             else "0"}))
+        env=theirs))
     return found
 
 
@@ -114,7 +113,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--latency-repeat", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2, help="vLLM's OpenMP threads")
+    parser.add_argument("--threads", type=int, default=2, help="OpenMP threads of each server")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="vLLM's threads float (nobind) like hpu-serve's: for a loaded host")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--hpu-serve-config", action="append", default=[],
@@ -135,7 +136,9 @@ def main() -> None:
     found = servers(args, folder)
     rates: dict[str, list[float]] = {s.name: [] for s in found}
     lat: dict[str, list[float]] = {s.name: [] for s in found}
-    with tempfile.TemporaryDirectory() as logs, httpx.Client(timeout=600) as client:
+    logs = tempfile.mkdtemp(prefix="hpu-serve-compare-")
+    print(f"server logs in {logs}", flush=True)
+    with httpx.Client(timeout=600) as client:
         try:
             for server in found:
                 server.start(Path(logs))
