@@ -9,8 +9,8 @@ Both servers serve the random LLaVA that ``benchmarks/images.py`` builds (CLIP t
 goes, the same dtype, ``--max-model-len`` and ``--max-num-seqs``; vLLM's OpenMP threads are
 bound to the first ``--threads`` cores. Each request is ``/v1/chat/completions`` with one
 PNG data URI (its own random image, 80-400 pixels a side: no encoder cache hit) and 64 text
-tokens, ``max_tokens`` 1, streamed: TTFT is the time to the first content chunk. Concurrency
-1 sends the requests one at a time, concurrency 16 all at once. Both servers are up at once
+tokens, ``max_tokens`` 1, streamed: TTFT is the time to the chunk that carries the token.
+Concurrency 1 sends the requests one at a time, concurrency 16 all at once. Both servers are up at once
 and take turns round by round (A/B, then B/A); prints medians of images/s and mean TTFT,
 and their ratios.
 """
@@ -67,7 +67,7 @@ def png_uri(image) -> str:
 
 
 async def one(client: httpx.AsyncClient, server: Server, uri: str, text: str) -> float:
-    """Seconds from sending to the first content chunk of a 1-token streamed answer."""
+    """Seconds from sending to the chunk that carries the token of a 1-token answer."""
     body = {"model": server.model, "max_tokens": 1, "temperature": 0.0, "stream": True,
             "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": uri}},
@@ -78,7 +78,12 @@ async def one(client: httpx.AsyncClient, server: Server, uri: str, text: str) ->
         if reply.status_code != 200:
             raise RuntimeError(f"{server.name}: {reply.status_code} {await reply.aread()!r}")
         async for line in reply.aiter_lines():
-            if first is None and line.startswith("data: {") and '"content"' in line:
+            if first is not None or not line.startswith("data: {"):
+                continue
+            # the first chunk that carries the token: not the opening role chunk (whose
+            # content is ""); a token that decodes to "" still ends with a finish_reason
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content") or choices[0].get("finish_reason"):
                 first = time.perf_counter() - began
     if first is None:
         raise RuntimeError(f"{server.name}: no content chunk")
