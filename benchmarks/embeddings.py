@@ -10,7 +10,8 @@ sentence-transformers folder (Transformer -> mean Pooling -> Normalize). Both si
 same texts of exactly ``--text-len`` tokens, in batches of ``--batch-size``, tokenizing
 included; then the latency of one 32-token text (median of 20). Rounds alternate the order
 (A/B, then B/A) so neither side always runs on a warmer cache. Prints each round and the
-ratios. vLLM CPU is not installed here, so the comparison with it is not made.
+ratios. The comparison with vLLM's CPU backend, both served over HTTP, is
+``benchmarks/compare/embeddings_serving.py``.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def main() -> None:
         folder = str(build_folder(Path(tmp), args.size))
         for dtype_name in args.dtypes:
             compare(folder, dtype_name, texts, short, args)
-    print("vLLM CPU: not installed here, not compared")
+    print("vLLM CPU: see benchmarks/compare/embeddings_serving.py")
 
 
 if __name__ == "__main__":

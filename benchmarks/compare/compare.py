@@ -177,6 +177,17 @@ def vllm_server(args: argparse.Namespace, folder: Path) -> Server:
     })
 
 
+def thread_envs(threads: int, kv_cache_gib: int, pin: bool = True
+                ) -> tuple[dict[str, str], dict[str, str]]:
+    """(hpu-serve's env, vLLM's env) for ``threads`` OpenMP threads on each. Pinned, vLLM's
+    threads are bound to cores 0..threads-1 (its ``auto`` would keep a core of 2 for its
+    scheduler); unpinned (``nobind``) they float like hpu-serve's, which on a host loaded by
+    other jobs keeps a descheduled thread from stalling every parallel region."""
+    ours = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    bind = (f"0-{threads - 1}" if threads > 1 else "0") if pin else "nobind"
+    return ours, {**ours, "VLLM_CPU_OMP_THREADS_BIND": bind}
+
+
 def bench_once(server: Server, requests, concurrency: int) -> dict:
     endpoint = Endpoint(server.url, server.model or "", ignore_eos=server.ignore_eos,
                         extra_body=server.extra_body)

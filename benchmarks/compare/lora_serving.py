@@ -6,9 +6,11 @@ Both servers serve the same base (the embedded SmolLM2-135M, saved once as a HF 
 the same 4 random PEFT adapters (rank 16, every projection), bf16, 4 adapter slots, from
 ``--lora-modules``. The workload is ``hpu-serve bench``'s (seeded ~200-token prompts, 128
 streamed output tokens, EOS ignored) split evenly over the 4 adapters, ``--concurrency`` in
-flight in all. Prints each server's output tok/s per round and the median ratio (the issue's
-target: hpu-serve >= 1x vLLM). vLLM comes from ``.venv-vllm`` (``WITH_VLLM=1
-benchmarks/compare/setup_peers.sh``); without it only hpu-serve runs.
+flight in all, the same ``--max-model-len`` on both. Both servers are up at once and take
+turns round by round (A/B, then B/A), so a noisy host's drift falls on both. Prints each
+server's output tok/s per round and the median ratio (the issue's target: hpu-serve >= 1x
+vLLM). vLLM comes from ``.venv-vllm`` (``WITH_VLLM=1 benchmarks/compare/setup_peers.sh``);
+without it only hpu-serve runs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import Server, free_port, hf_folder_from_gguf, python_has  # noqa: E402
+from compare import (  # noqa: E402
+    Server,
+    free_port,
+    hf_folder_from_gguf,
+    python_has,
+    thread_envs,
+)
 from lora_decode import write_adapter  # noqa: E402
 
 from server.bench.cli import load_tokenizer  # noqa: E402
@@ -38,18 +46,18 @@ ADAPTERS = 4
 
 def servers(args: argparse.Namespace, folder: Path, modules: list[str]) -> list[Server]:
     lora = ["--enable-lora", "--max-loras", str(ADAPTERS), "--max-lora-rank", str(args.rank),
-            "--max-num-seqs", str(args.concurrency), "--lora-modules", *modules]
+            "--max-num-seqs", str(args.concurrency), "--max-model-len", str(args.max_model_len),
+            "--lora-modules", *modules]
+    ours, theirs = thread_envs(args.threads, 4, pin=not args.no_pin)
     found = [Server("hpu-serve", [
         sys.executable, "-m", "server", "serve", str(folder), "--dtype", "bfloat16",
-        "--host", "127.0.0.1", "--port", str(port := free_port()), *lora], port)]
+        "--host", "127.0.0.1", "--port", str(port := free_port()), *lora], port, env=ours)]
     if python_has(args.vllm_python, "vllm"):
         found.append(Server("vllm", [
             args.vllm_python, str(Path(__file__).with_name("vllm_cpu_cli.py")), "serve",
-            str(folder), "--dtype", "bfloat16", "--max-model-len", "2048",
+            str(folder), "--dtype", "bfloat16",
             "--host", "127.0.0.1", "--port", str(port := free_port()), *lora,
-        ], port, env={"VLLM_CPU_KVCACHE_SPACE": "4",
-                      "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"
-                      if args.threads > 1 else "0"}))
+        ], port, env=theirs))
     else:
         print(f"vllm: not installed at {args.vllm_python}; hpu-serve only", file=sys.stderr)
     return found
@@ -85,7 +93,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2, help="vLLM's OpenMP threads")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2, help="OpenMP threads of each server")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="vLLM's threads float (nobind) like hpu-serve's: for a loaded host")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
     parser.add_argument("--work-dir", default=str(ROOT / ".bench-cache" / "lora-serving"))
     args = parser.parse_args()
@@ -99,20 +110,24 @@ def main() -> None:
     modules = [f"a{i}={p}" for i, p in enumerate(paths)]
     tokenizer = load_tokenizer(str(folder))
     results: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as logs:
-        for server in servers(args, folder, modules):
+    found = servers(args, folder, modules)
+    logs = tempfile.mkdtemp(prefix="hpu-serve-compare-")
+    print(f"server logs in {logs}", flush=True)
+    try:
+        for server in found:
             server.start(Path(logs))
-            try:
-                for rnd in range(args.rounds):
-                    spec = WorkloadSpec(args.num_prompts, args.input_len, args.output_len,
-                                        seed=rnd)
-                    rate = tokens_per_s(server, synthetic_requests(spec, tokenizer, set()),
-                                        args.concurrency)
-                    results.setdefault(server.name, []).append(rate)
-                    print(f"{server.name} round {rnd}: {rate:.1f} output tok/s "
-                          f"(concurrency {args.concurrency}, {ADAPTERS} adapters)", flush=True)
-            finally:
-                server.stop()
+            print(f"{server.name}: ready in {server.ready_s:.1f} s", flush=True)
+        for rnd in range(args.rounds):
+            spec = WorkloadSpec(args.num_prompts, args.input_len, args.output_len, seed=rnd)
+            requests = synthetic_requests(spec, tokenizer, set())
+            for server in found if rnd % 2 == 0 else found[::-1]:
+                rate = tokens_per_s(server, requests, args.concurrency)
+                results.setdefault(server.name, []).append(rate)
+                print(f"{server.name} round {rnd}: {rate:.1f} output tok/s "
+                      f"(concurrency {args.concurrency}, {ADAPTERS} adapters)", flush=True)
+    finally:
+        for server in found:
+            server.stop()
     medians = {name: statistics.median(rates) for name, rates in results.items()}
     line = ", ".join(f"{name} {rate:.1f}" for name, rate in medians.items())
     if "vllm" in medians:
