@@ -21,7 +21,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "needs \"model\": the eagle head's"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' is not supported"),
     ({"method": "ngram", "num_speculative_tokens": 2, "foo": 1}, "unsupported key(s) foo"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 2}, "\"method\" is required"),
