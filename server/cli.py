@@ -149,7 +149,8 @@ def print_buckets(args: argparse.Namespace, environ: dict[str, str] | None = Non
         print(f"Draft model {spec.model}: warms every bucket above on its own graphs (it "
               "mirrors each target step); its draft steps are the decode buckets")
     elif spec is not None and spec.method.reads_hidden_states:
-        print(f"{spec.method} head {spec.model}: warms every bucket above on its own graphs "
+        name = spec.model or "(the target's MTP layer)"
+        print(f"{spec.method} head {name}: warms every bucket above on its own graphs "
               "(it mirrors each target step on the target's hidden states); its draft "
               "steps are the decode buckets")
     return 0

@@ -14,13 +14,14 @@ GROUP = "Speculative decoding"
 
 
 class SpecMethod(str, enum.Enum):
-    """Proposers this server has; vLLM's others (mtp, medusa, suffix...) are refused at
+    """Proposers this server has; vLLM's others (medusa, suffix...) are refused at
     start-up with their name."""
 
     NGRAM = "ngram"
     DRAFT_MODEL = "draft_model"
     EAGLE = "eagle"  # an EAGLE-1 head on the target's last hidden state
     EAGLE3 = "eagle3"  # an EAGLE-3 head on three of the target's layers' hidden states
+    MTP = "mtp"  # the target's own multi-token-prediction layer (DeepSeek-V3)
 
     def __str__(self) -> str:
         return self.value
@@ -28,11 +29,11 @@ class SpecMethod(str, enum.Enum):
     @property
     def reads_hidden_states(self) -> bool:
         """Whether the drafter runs on the target's hidden states (a head, not a model)."""
-        return self in (SpecMethod.EAGLE, SpecMethod.EAGLE3)
+        return self in (SpecMethod.EAGLE, SpecMethod.EAGLE3, SpecMethod.MTP)
 
 
 # vLLM's methods this server does not have yet: refused at start-up, saying so
-_NOT_YET = frozenset({"mtp", "medusa", "mlp_speculator", "suffix", "qwen3_next_mtp",
+_NOT_YET = frozenset({"medusa", "mlp_speculator", "suffix", "qwen3_next_mtp",
                       "ernie_mtp"})
 # vLLM's older names of a method
 _ALIASES = {"deepseek_mtp": "mtp"}
@@ -49,7 +50,8 @@ class SpeculativeSettings:
     (the verify step's query is one more), proposed by prompt lookup of an n-gram of
     ``prompt_lookup_min``..``prompt_lookup_max`` tokens (``ngram``) or by the smaller
     checkpoint at ``model`` (``draft_model``), by the EAGLE head at ``model`` (``eagle``,
-    ``eagle3``); off above
+    ``eagle3``), by the target's own MTP layer (``mtp``: ``model`` left out or the
+    target's); off above
     ``disable_by_batch_size`` running sequences (None: never off)."""
 
     method: SpecMethod
@@ -57,7 +59,8 @@ class SpeculativeSettings:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
-    # draft_model: the draft checkpoint; eagle / eagle3: the head's (a path or a Hub id)
+    # draft_model: the draft checkpoint; eagle / eagle3: the head's (a path or a Hub id);
+    # mtp: None or the target's (checked against it when the model loads)
     model: str | None = None
 
     @property
@@ -129,7 +132,11 @@ def parse_speculative_config(value: str | Mapping[str, Any]) -> SpeculativeSetti
                          f"({hi})")
     if disable is not None and disable < 1:
         raise ValueError(f"{where}: disable_by_batch_size must be >= 1")
-    with_model = spec_method in (SpecMethod.DRAFT_MODEL, SpecMethod.EAGLE, SpecMethod.EAGLE3)
+    if spec_method is SpecMethod.MTP and model is not None and (
+            not isinstance(model, str) or not model):
+        raise ValueError(f"{where}: method mtp reads the target's own MTP layers: leave "
+                         "\"model\" out (or name the target)")
+    with_model = spec_method is not SpecMethod.NGRAM
     return SpeculativeSettings(spec_method, k, lo, hi, disable,
                                model if with_model else None)
 
@@ -153,8 +160,9 @@ class SpeculativeConfig:
              "\"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": "
              "M, \"disable_by_batch_size\": B} or {\"method\": \"draft_model\", \"model\": "
              "PATH, \"num_speculative_tokens\": K}; \"method\": \"eagle\" / \"eagle3\" with "
-             "\"model\": an EAGLE head (verify steps run in warmed decode buckets of query "
-             "K + 1)")
+             "\"model\": an EAGLE head; \"method\": \"mtp\" (DeepSeek-V3's own "
+             "multi-token-prediction layer, no \"model\") (verify steps run in warmed "
+             "decode buckets of query K + 1)")
 
     def __post_init__(self) -> None:
         value: Any = self.speculative_config

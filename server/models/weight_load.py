@@ -129,7 +129,7 @@ def load_into(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor
             target.copy_(tensor)
     if mtp_skipped:
         logger.info("Skipped the %d tensors of the %d multi-token-prediction layer(s) "
-                    "(layers %d-%d; not used: no MTP speculative decoding here)",
+                    "(layers %d-%d; --speculative-config mtp reads them as its draft)",
                     mtp_skipped, cfg.mtp_layers, cfg.num_layers,
                     cfg.num_layers + cfg.mtp_layers - 1)
     _check_complete(params, loaded, shard_sizes, cfg, origin)

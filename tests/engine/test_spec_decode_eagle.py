@@ -67,8 +67,8 @@ def all_free(engine: LLM) -> bool:
 @pytest.mark.parametrize("bad, words", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "needs \"model\""),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "needs \"model\""),
-    ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not supported by this"),
-    ({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "'mtp' is not supported"),
+    ({"method": "qwen3_next_mtp", "num_speculative_tokens": 1},
+     "'qwen3_next_mtp' is not supported by this"),
     ({"method": "medusa", "num_speculative_tokens": 1, "model": "x"}, "not supported"),
 ])
 def test_config_refusals(bad: dict, words: str) -> None:

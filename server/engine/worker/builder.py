@@ -18,11 +18,12 @@ from typing import Any
 
 from server.cache_dir import writable_cache_dir
 from server.config import EngineConfig, ExecutionMode, SchedulerLimits, SpecMethod
+from server.engine.worker.eagle import DraftHead
 from server.engine.worker.model_runner import ModelRunner
 from server.hpu.distributed import SINGLE, ParallelContext
 from server.hpu.graph_runner import ShapeRunner
 from server.hpu.platform import Platform
-from server.models.eagle import EagleHead, load_eagle_head
+from server.models.eagle import load_eagle_head
 from server.models.loader import (
     LoadedModel,
     ModelSource,
@@ -31,6 +32,7 @@ from server.models.loader import (
     resolve_model_source,
 )
 from server.models.lora import LoRASlots, SlotWriter
+from server.models.mtp import DeepSeekMTP, load_mtp_head
 
 logger = logging.getLogger(__name__)
 
@@ -70,23 +72,26 @@ def build_model_runner(config: EngineConfig, platform: Platform, source: ModelSo
         config, platform, loaded, limits,
         eos_token_ids, config.model.served_model_name or source.name,
         writable_cache_dir(config.cache_dir), int4_weights, parallel, wrap_graphs, wrap_lora,
-        draft, draft_int4, load_head(config, loaded, parallel, limits.max_model_len))
+        draft, draft_int4, load_head(config, source, loaded, parallel, limits.max_model_len))
 
 
-def load_head(config: EngineConfig, loaded: LoadedModel, parallel: ParallelContext,
-              max_model_len: int) -> EagleHead | None:
+def load_head(config: EngineConfig, target: ModelSource, loaded: LoadedModel,
+              parallel: ParallelContext, max_model_len: int) -> DraftHead | None:
     """``--speculative-config`` eagle / eagle3: the head's checkpoint, in the target's
-    dtype, sharing the target's embeddings (and EAGLE-1's LM head)."""
+    dtype, sharing the target's embeddings (and EAGLE-1's LM head); mtp: the target's
+    own MTP layer, from the target's checkpoint."""
     spec = config.speculative.settings
-    if spec is None or spec.method not in (SpecMethod.EAGLE, SpecMethod.EAGLE3):
+    if spec is None or not spec.method.reads_hidden_states:
         return None
-    assert spec.model is not None
     if parallel.world_size > 1:
         raise ValueError(f"--speculative-config {spec.method}: not with "
                          "--tensor-parallel-size > 1 yet")
     if loaded.config.mrope_section is not None:  # the head's RoPE reads plain positions
         raise ValueError(f"--speculative-config {spec.method}: not with an M-RoPE model "
                          "(Qwen2.5-VL) yet")
+    if spec.method is SpecMethod.MTP:
+        return load_mtp(spec.model, target, loaded)
+    assert spec.model is not None
     if spec.method is SpecMethod.EAGLE3 and not hasattr(loaded.model, "emit_aux_hidden"):
         raise ValueError(f"--speculative-config eagle3: the {type(loaded.model).__name__} "
                          "target cannot emit its intermediate hidden states yet")
@@ -97,6 +102,21 @@ def load_head(config: EngineConfig, loaded: LoadedModel, parallel: ParallelConte
                 source.name, sum(p.numel() for p in head.parameters()
                                  if not any(p is q for q in loaded.model.parameters())) / 1e6,
                 head.aux_layers or "(last hidden state)")
+    return head
+
+
+def load_mtp(model: str | None, target: ModelSource, loaded: LoadedModel) -> DeepSeekMTP:
+    """The target's MTP layer (``model``: left out, or the target itself)."""
+    if model is not None and resolve_model_source(model).folder != target.folder:
+        raise ValueError("--speculative-config mtp: drafts with the target's own MTP layer; "
+                         f"\"model\" ({model}) must be the target or left out")
+    head = load_mtp_head(target.folder, target.is_gguf, loaded.model, loaded.dtype,
+                         next(loaded.model.parameters()).device)
+    shared = {id(p) for p in loaded.model.parameters()}
+    own = sum(p.numel() for p in head.parameters() if id(p) not in shared)
+    logger.info("mtp head: the target's layer %d, %.1fM params of its own (%s)",
+                loaded.config.num_layers, own / 1e6,
+                "sparse MLP" if head.config.moe_layers else "dense MLP")
     return head
 
 

@@ -1,4 +1,5 @@
-"""EAGLE / EAGLE-3 heads as the draft of speculative decoding (``method: eagle | eagle3``).
+"""EAGLE / EAGLE-3 heads as the draft of speculative decoding (``method: eagle | eagle3``),
+and DeepSeek's MTP layer the same way (``method: mtp``, server/models/mtp.py).
 
 The head drafts from the target's hidden states, so the target's forward leaves them where
 the head finds them: a *feature store* with one row per KV-cache slot. The target's graphs
@@ -30,6 +31,10 @@ from server.hpu.graph_runner import ForwardInputs
 from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import TorchLayerOps
 from server.models.eagle import EagleHead
+from server.models.mtp import DeepSeekMTP
+
+# what drafts on the feature store: an EAGLE / EAGLE-3 head, or DeepSeek's MTP layer
+DraftHead = EagleHead | DeepSeekMTP
 
 
 class FeatureStore:
@@ -64,7 +69,7 @@ class FeatureTap:
     """Inside the target's forward: stores each token's feature at its slot, and passes on
     the final hidden state (an EAGLE-3 target's output carries the three streams after it)."""
 
-    def __init__(self, head: EagleHead, store: FeatureStore) -> None:
+    def __init__(self, head: DraftHead, store: FeatureStore) -> None:
         self.head = head
         self.store = store
 
@@ -80,7 +85,7 @@ class EagleForward:
     over the draft vocabulary of each row's last token; the head's K/V and output rows are
     written in place."""
 
-    def __init__(self, head: EagleHead, kv_caches: list[KVCache], store: FeatureStore) -> None:
+    def __init__(self, head: DraftHead, kv_caches: list[KVCache], store: FeatureStore) -> None:
         self.head = head
         self.kv_caches = kv_caches
         self.store = store
@@ -139,7 +144,7 @@ def _replace_slots(inputs: ForwardInputs, spec_slots: torch.Tensor) -> ForwardIn
     return dataclasses.replace(inputs, spec_slots=spec_slots)
 
 
-def prepare_head(head: EagleHead, target_model: torch.nn.Module, ops: TorchLayerOps) -> None:
+def prepare_head(head: DraftHead, target_model: torch.nn.Module, ops: TorchLayerOps) -> None:
     """The head runs the target's layer ops (one input layout for both) and the target's
     embeddings and LM head where it shares them, as the platform prepared them (packed
     linears); an EAGLE-3 target also returns the streams its head reads."""
@@ -149,7 +154,7 @@ def prepare_head(head: EagleHead, target_model: torch.nn.Module, ops: TorchLayer
         target_model.emit_aux_hidden(head.aux_layers)  # type: ignore[operator]
 
 
-def head_kv_bytes_per_block(head: EagleHead, block_size: int, dtype: torch.dtype,
+def head_kv_bytes_per_block(head: DraftHead, block_size: int, dtype: torch.dtype,
                             model_dtype: torch.dtype) -> int:
     """What one block costs the head: its layer's K/V and the feature rows."""
     return (head.config.kv_layout.bytes_per_block(block_size, dtype)

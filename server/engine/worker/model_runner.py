@@ -35,6 +35,7 @@ from server.engine.worker.draft_model import (
     prepare_draft,
 )
 from server.engine.worker.eagle import (
+    DraftHead,
     EagleForward,
     FeatureStore,
     FeatureTap,
@@ -66,7 +67,6 @@ from server.hpu.platform import Platform
 from server.hpu.state_cache import LayerState
 from server.hpu.types import Bucket, BucketLimits, DecodeLayout, Phase, SyncPoint
 from server.hpu.warmup import WarmupHooks, run_warmup
-from server.models.eagle import EagleHead
 from server.models.llama import LlamaForCausalLM
 from server.models.loader import LoadedModel
 from server.models.lora import LoRASlots, SlotWriter
@@ -115,7 +115,7 @@ class ModelRunner:
                  wrap_lora: Callable[[LoRASlots], SlotWriter] | None = None,
                  draft: LoadedModel | None = None,
                  draft_int4_weights: Callable[[], Mapping[str, Any]] | None = None,
-                 head: EagleHead | None = None) -> None:
+                 head: DraftHead | None = None) -> None:
         self.platform = platform
         self.limits = limits
         self.model = loaded.model
@@ -195,8 +195,8 @@ class ModelRunner:
         # the target's features per KV slot (eagle.py)
         if head is not None:
             if config.device.enable_sleep_mode:
-                raise ValueError("--speculative-config eagle: not with --enable-sleep-mode "
-                                 "yet")
+                raise ValueError(f"--speculative-config {spec.method if spec else 'eagle'}: "
+                                 "not with --enable-sleep-mode yet")
             prepare_head(head, loaded.model, ops)
             draft_block_bytes = head_kv_bytes_per_block(head, self.block_size, self.kv_dtype,
                                                         loaded.dtype)
