@@ -164,19 +164,25 @@ def test_an_mtp_layer_that_agrees_is_accepted(agreeing, head: str) -> None:
 
 
 @pytest.mark.slow
-def test_compile_mode_warms_the_mtp_layer_and_serves_without_compiling(with_mtp) -> None:
-    engine = LLM(with_mtp, dtype="float32", block_size=8, max_num_seqs=2, max_model_len=64,
-                 execution_mode="compile", speculative_config=MTP)
+def test_compile_mode_warms_the_mtp_layer_and_serves_without_compiling(with_mtp,
+                                                                      tmp_path) -> None:
+    # a small plan (CPU compiles are slow): one prefill, one decode and its verify bucket
+    buckets = tmp_path / "b.txt"
+    buckets.write_text("([2], 16, [0])\n([2], 1, [8])\n")
+    engine = LLM(with_mtp, dtype="float32", block_size=8, max_num_seqs=2, max_model_len=32,
+                 execution_mode="compile", speculative_config=MTP,
+                 environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
     counters = engine.engine.counters
     runner = engine.engine.runner
     assert runner.draft is not None
     planned = {phase: set(b) for phase, b in runner.shapes.buckets.items()}
+    assert sum(len(b) for b in planned.values()) == 3
     assert runner.draft.graphs.warmed == runner.graphs.warmed == planned
     gen = torch.Generator().manual_seed(5)
-    batch = [p[:30] for p in prompts(200)]
+    batch = prompts(200)[3:]
     for i in range(3):
-        lengths = torch.randint(1, 30, (4,), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=12 + i * 4, ignore_eos=True)
+        lengths = torch.randint(1, 16, (2,), generator=gen).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True)
         engine.generate([batch[(i + j) % len(batch)][:n] for j, n in enumerate(lengths)],
                         params)
     assert engine.engine.stats().spec_num_draft_tokens > 0
