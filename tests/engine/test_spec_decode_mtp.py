@@ -206,3 +206,83 @@ def test_the_layer_shares_what_the_checkpoint_repeats_of_the_targets(agreeing,
         assert isinstance(layer, DeepSeekMTP)
         assert layer.embed_tokens is runner.model.embed_tokens
         assert (layer.lm_head is runner.model.lm_head) is shares_head
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def reference_drafts(deepseek, folder: str, tmp_path, prompt: list[int], k: int
+                     ) -> list[int]:  # noqa: ANN001
+    """The MTP layer's drafts after ``prompt`` computed independently: transformers'
+    DeepSeek-V3 for the target's hidden states and for the MTP block (loaded as a fourth
+    decoder layer), the layer's inputs and shared head by hand."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    _, hf_model, _ = deepseek
+    mtp = {k.removeprefix("model.layers.3."): v
+           for k, v in load_file(f"{folder}/mtp.safetensors").items()}
+    outside = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+    four = tmp_path / "four-layers"
+    if not four.exists():
+        shutil.copytree(folder, four)
+        (four / "mtp.safetensors").unlink()
+        config = json.loads((four / "config.json").read_text())
+        (four / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 4}))
+        tensors = load_file(four / "model.safetensors") | {
+            f"model.layers.3.{n}": t for n, t in mtp.items() if not n.startswith(outside)}
+        save_file(tensors, four / "model.safetensors")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(four), dtype=torch.float32, attn_implementation="eager").eval()
+    block = ref.model.layers[3]
+    eps = hf_model.config.rms_norm_eps
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        first = int(hf_model(ids).logits[0, -1].argmax())
+        tokens = prompt + [first]
+        hidden = hf_model.model(torch.tensor([tokens])).last_hidden_state[0]
+        prev = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+        drafts: list[int] = []
+        for _ in range(k):
+            n = len(tokens)
+            embeds = hf_model.model.embed_tokens(torch.tensor(tokens))
+            x = torch.cat([_rms(embeds, mtp["enorm.weight"], eps),
+                           _rms(prev, mtp["hnorm.weight"], eps)], -1) @ mtp["eh_proj.weight"].T
+            positions = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            out = block(x[None], position_embeddings=ref.model.rotary_emb(x[None], positions),
+                        attention_mask=mask, position_ids=positions)
+            out = (out[0] if isinstance(out, tuple) else out)[0]
+            logits = _rms(out[-1], mtp["shared_head.norm.weight"], eps) @ \
+                mtp["shared_head.head.weight"].T
+            drafts.append(int(logits.argmax()))
+            tokens = tokens + [drafts[-1]]
+            prev = torch.cat([prev, out[-1:]])  # the layer's own output feeds the next draft
+    return drafts
+
+
+@pytest.mark.slow
+def test_drafts_match_an_independent_mtp_computation(deepseek, with_mtp, tmp_path,
+                                                     monkeypatch) -> None:
+    """The first verify step's drafts equal the MTP layer computed with transformers'
+    decoder layer (latent attention, experts) over its hidden states: the layer's inputs,
+    positions, cache and recursion are right, not just harmless."""
+    from server.engine.worker.draft_model import DraftModel
+
+    seen: list[list[list[int]]] = []
+    propose = DraftModel.propose
+
+    def recording(self, seqs, limits):  # noqa: ANN001, ANN202
+        drafts = propose(self, seqs, limits)
+        seen.append(drafts)
+        return drafts
+
+    monkeypatch.setattr(DraftModel, "propose", recording)
+    k = 3
+    engine = llm(with_mtp, MTP | {"num_speculative_tokens": k}, max_num_seqs=1)
+    for prompt in prompts(200)[:6]:
+        seen.clear()
+        outputs(engine, [prompt], max_tokens=8)
+        assert seen and len(seen[0][0]) == k
+        assert seen[0][0] == reference_drafts(deepseek, with_mtp, tmp_path, prompt, k)
