@@ -3,7 +3,7 @@
 SmolLM2-135M unless --model), greedy.
 
     python benchmarks/spec_decode.py [--model PATH] [--k 3] [--rounds 2]
-        [--method ngram|draft_model|eagle|eagle3] [--draft PATH] [--quantization none]
+        [--method ngram|draft_model|eagle|eagle3|mtp] [--draft PATH] [--quantization none]
         [--concurrency 16] [--disable-by-batch-size 0]
 
 ``--method draft_model`` drafts with ``--draft`` (default: the embedded Q4_1 GGUF, served
@@ -11,7 +11,8 @@ from its 4-bit codes); ``--quantization none`` serves the target from its dense 
 weights (the embedded model's dense copy: a target that the Q4 draft is cheaper than).
 ``--method eagle`` / ``eagle3`` draft with the EAGLE head at ``--draft``, else a random head
 built for the target in a temporary folder (it accepts almost nothing: its ratio is the
-head's cost, not a speed-up).
+head's cost, not a speed-up). ``--method mtp`` drafts with the target's own MTP layer
+(a DeepSeek-V3 ``--model``).
 
 Two workloads, each timed in rounds A/B then B/A (A: plain, B: speculative) so drift in the
 machine's load falls on both sides:
@@ -132,6 +133,8 @@ def spec_config(args: argparse.Namespace) -> dict:
         config.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
     elif args.method in ("eagle", "eagle3"):
         config["model"] = args.draft or random_head(args.model, args.method)
+    elif args.method == "mtp":
+        pass  # the target's own layer
     else:
         config["model"] = args.draft or embedded_gguf()
     return config
@@ -193,7 +196,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="target (default: embedded SmolLM2)")
     parser.add_argument("--method", default="ngram",
-                        choices=("ngram", "draft_model", "eagle", "eagle3"))
+                        choices=("ngram", "draft_model", "eagle", "eagle3", "mtp"))
     parser.add_argument("--draft", default=None,
                         help="draft_model: the draft checkpoint; eagle / eagle3: the head")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
