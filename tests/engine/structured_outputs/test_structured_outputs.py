@@ -269,7 +269,9 @@ def test_cancelling_frees_the_worker_and_clients_take_turns(bounded) -> None:
     running.cancel()
     start = time.monotonic()
     backend.compile(Spec(regex="[0-9]+"))
-    assert time.monotonic() - start < 8.0  # a restarted worker, not two slow compilations
+    # a restarted worker (9.5 s once on a loaded 2-core machine), not the two slow
+    # compilations (~10 s each) running out
+    assert time.monotonic() - start < 16.0
     assert backend.pool.killed_workers == 1 and backend.pool.queued_jobs == 0
     # one worker, busy with client a's first job while a's four others and then client b's
     # one queue: b is not served last
