@@ -133,10 +133,9 @@ def spec_config(args: argparse.Namespace) -> dict:
         config.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
     elif args.method in ("eagle", "eagle3"):
         config["model"] = args.draft or random_head(args.model, args.method)
-    elif args.method == "mtp":
-        pass  # the target's own layer
-    else:
+    elif args.method == "draft_model":
         config["model"] = args.draft or embedded_gguf()
+    # mtp: no model, the target's own layer drafts
     return config
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from server.engine.errors import RequestError
 from server.engine.multimodal.inputs import ImageSpan
-from server.engine.multimodal.processor import image_hash
+from server.engine.multimodal.processor import image_hash, run_image_processor
 from server.models.vision import QwenVisionConfig
 
 logger = logging.getLogger(__name__)
@@ -51,17 +51,8 @@ class DynamicImageProcessor:
                 ) -> tuple[list[int], tuple[ImageSpan, ...]]:
         """(the prompt with each placeholder expanded, each image's span); a RequestError
         naming ``field`` when placeholders and images do not pair up."""
-        if len(images) > self.image_limit:
-            raise RequestError(f"at most {self.image_limit} images per prompt "
-                               f"(--limit-mm-per-prompt); this one has {len(images)}", field)
-        found = prompt_ids.count(self.token_id)
-        if found != len(images):
-            raise RequestError(f"the prompt has {found} image placeholders "
-                               f"({self.image_token}) for {len(images)} images", field)
-        try:
-            out = self.image_processor(list(images), return_tensors="pt")
-        except (ValueError, OSError) as exc:
-            raise RequestError(f"image could not be processed: {exc}", field) from None
+        out = run_image_processor(self.image_processor, prompt_ids, images, self.token_id,
+                                  self.image_token, self.image_limit, field)
         each = self._each_image(out, field)
         ids: list[int] = []
         spans: list[ImageSpan] = []

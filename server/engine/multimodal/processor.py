@@ -26,6 +26,24 @@ def image_hash(image: Any) -> bytes:
     return h.digest()
 
 
+def run_image_processor(image_processor: Any, prompt_ids: list[int], images: Sequence[Any],
+                        token_id: int, image_token: str, image_limit: int, field: str) -> Any:
+    """The image processor's output for a prompt's images, after the checks every family
+    shares: the per-prompt limit, and one placeholder per image (a RequestError naming
+    ``field`` otherwise, as for an image the processor cannot take)."""
+    if len(images) > image_limit:
+        raise RequestError(f"at most {image_limit} images per prompt "
+                           f"(--limit-mm-per-prompt); this one has {len(images)}", field)
+    found = prompt_ids.count(token_id)
+    if found != len(images):
+        raise RequestError(f"the prompt has {found} image placeholders "
+                           f"({image_token}) for {len(images)} images", field)
+    try:
+        return image_processor(list(images), return_tensors="pt")
+    except (ValueError, OSError) as exc:
+        raise RequestError(f"image could not be processed: {exc}", field) from None
+
+
 class ImageInputProcessor:
     """Replaces each image placeholder token of a prompt with the tokens its image becomes
     (the processor's own expansion: LLaVA's run of image tokens; Gemma 3's "<start_of_image>"
@@ -111,17 +129,8 @@ class ImageInputProcessor:
                 ) -> tuple[list[int], tuple[ImageSpan, ...]]:
         """(the prompt with each placeholder expanded, each image's span); a RequestError
         naming ``field`` when placeholders and images do not pair up."""
-        if len(images) > self.image_limit:
-            raise RequestError(f"at most {self.image_limit} images per prompt "
-                               f"(--limit-mm-per-prompt); this one has {len(images)}", field)
-        found = prompt_ids.count(self.token_id)
-        if found != len(images):
-            raise RequestError(f"the prompt has {found} image placeholders "
-                               f"({self.image_token}) for {len(images)} images", field)
-        try:
-            pixels = self.image_processor(list(images), return_tensors="pt")["pixel_values"]
-        except (ValueError, OSError) as exc:
-            raise RequestError(f"image could not be processed: {exc}", field) from None
+        pixels = run_image_processor(self.image_processor, prompt_ids, images, self.token_id,
+                                     self.image_token, self.image_limit, field)["pixel_values"]
         ids: list[int] = []
         starts: list[int] = []
         junctions: set[int] = set()
