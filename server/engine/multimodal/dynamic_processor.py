@@ -28,7 +28,7 @@ class DynamicImageProcessor:
 
         try:
             self.image_processor = AutoImageProcessor.from_pretrained(
-                folder, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+                folder, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, backend="pil")
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError, ImportError) as exc:
             raise ValueError(f"model folder {folder}: no image processor could be loaded "

@@ -52,14 +52,17 @@ class ImageInputProcessor:
 
     def __init__(self, folder: str, cfg: VisionConfig, image_limit: int,
                  processor_kwargs: Mapping[str, Any] | None = None) -> None:
-        from transformers import AutoProcessor
+        from transformers import AutoImageProcessor, AutoProcessor
 
         try:
             processor = AutoProcessor.from_pretrained(folder)
+            # the Pillow backend everywhere: the same pixels whether torchvision is installed
+            # (GPU images) or not, so an image's hash and the answer do not depend on it
+            self.image_processor = (AutoImageProcessor.from_pretrained(folder, backend="pil")
+                                    if getattr(processor, "image_processor", None) else None)
         except (OSError, ValueError) as exc:
             raise ValueError(f"model folder {folder}: no image processor could be loaded "
                              f"for this vision model ({str(exc).splitlines()[0]})") from None
-        self.image_processor = getattr(processor, "image_processor", None)
         if self.image_processor is None:
             raise ValueError(f"model folder {folder}: its processor has no image processor "
                              "(processor_config.json / preprocessor_config.json)")
