@@ -9,12 +9,12 @@ import collections
 
 import pytest
 import torch
+from spec_checks import all_free, outputs, serves_without_compiling, spec_llm
 
 from server import LLM, SamplingParams
 from server.config import make_engine_config, parse_speculative_config
 from server.engine.core.sequence import Sequence
 from server.engine.spec_decode.ngram import NgramProposer
-from server.hpu.types import Stage
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
@@ -66,22 +66,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def llm(folder: str, spec: dict | None, kernels: bool = True, **extra) -> LLM:
-    env = {"HPU_SERVE_CPU_KERNELS": "1" if kernels else "0"}
-    kw = {"speculative_config": spec} if spec else {}
-    return LLM(folder, **{"dtype": "float32", "block_size": 16, "max_num_seqs": 8,
-                          "environ": env, **kw, **extra})
-
-
-def outputs(engine: LLM, batch: list[list[int]], **fields) -> list[list[list[int]]]:
-    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 40, "ignore_eos": True,
-                               **fields})
-    return [[c.token_ids for c in o.outputs] for o in engine.generate(batch, params)]
-
-
-def all_free(engine: LLM) -> bool:
-    stats = engine.engine.stats()
-    return (stats.num_free_blocks == stats.num_blocks
-            and not engine.engine.has_unfinished_requests())
+    return spec_llm(folder, spec, kernels, **extra)
 
 
 @pytest.mark.slow
@@ -166,16 +151,5 @@ def test_sampled_distribution_is_the_targets(tiny_model) -> None:
 def test_compile_mode_serves_without_compiling(tiny_model) -> None:
     engine = LLM(tiny_model[0], dtype="float32", block_size=16, max_num_seqs=4,
                  max_model_len=128, execution_mode="compile", speculative_config=SPEC)
-    counters = engine.engine.counters
-    gen = torch.Generator().manual_seed(5)
-    batch = [p[:60] for p in prompts(300)]
-    for i in range(3):
-        lengths = torch.randint(1, 40, (4,), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=30 + i * 5, ignore_eos=True)
-        engine.generate([batch[(i + j) % len(batch)][:n] for j, n in enumerate(lengths)],
-                        params)
+    serves_without_compiling(engine, [p[:60] for p in prompts(300)], 40, 30)
     assert engine.engine.stats().spec_num_accepted_tokens > 0
-    assert counters.compilations(stage=Stage.SERVING) == 0
-    missed = sum(s.value for f in counters.registry.collect() if f.name.endswith("misses")
-                 for s in f.samples if s.name.endswith("_total"))
-    assert missed == 0

@@ -15,11 +15,17 @@ import dataclasses
 
 import pytest
 import torch
+from spec_checks import (
+    all_free,
+    draft_warmed_every_bucket,
+    outputs,
+    serves_without_compiling,
+    spec_llm,
+)
 from spec_draft import draft_pair
 
 from server import LLM, SamplingParams
 from server.config import make_engine_config
-from server.hpu.types import Stage
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +45,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def llm(folder: str, config: dict | None, kernels: bool = True, **extra) -> LLM:
-    env = {"HPU_SERVE_CPU_KERNELS": "1" if kernels else "0"}
-    kw = {"speculative_config": config} if config else {}
-    return LLM(folder, **{"dtype": "float32", "block_size": 16, "max_num_seqs": 8,
-                          "environ": env, **kw, **extra})
-
-
-def outputs(engine: LLM, batch: list[list[int]], **fields) -> list[list[list[int]]]:
-    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 40, "ignore_eos": True,
-                               **fields})
-    return [[c.token_ids for c in o.outputs] for o in engine.generate(batch, params)]
+    return spec_llm(folder, config, kernels, **extra)
 
 
 def spy_drafts(engine: LLM) -> list[tuple[list[int], list[int]]]:
@@ -75,12 +72,6 @@ def drafts_are_the_drafts_own(draft: str, log: list[tuple[list[int], list[int]]]
     want = outputs(alone, [tokens for tokens, _ in log],
                    max_tokens=max(len(d) for _, d in log))
     assert [w[0][:len(d)] for w, (_, d) in zip(want, log)] == [d for _, d in log]
-
-
-def all_free(engine: LLM) -> bool:
-    stats = engine.engine.stats()
-    return (stats.num_free_blocks == stats.num_blocks
-            and not engine.engine.has_unfinished_requests())
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -200,21 +191,7 @@ def test_compile_mode_warms_the_draft_and_serves_without_compiling(pair) -> None
     engine = LLM(target, dtype="float32", block_size=16, max_num_seqs=4,
                  max_model_len=128, execution_mode="compile",
                  speculative_config=spec(draft))
-    counters = engine.engine.counters
-    runner = engine.engine.runner
-    assert runner.draft is not None
     # every planned bucket was compiled on the draft's own graphs before serving
-    planned = {phase: set(b) for phase, b in runner.shapes.buckets.items()}
-    assert runner.draft.graphs.warmed == runner.graphs.warmed == planned
-    gen = torch.Generator().manual_seed(5)
-    batch = [p[:60] for p in prompts(300)]
-    for i in range(3):
-        lengths = torch.randint(1, 40, (4,), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=20 + i * 5, ignore_eos=True)
-        engine.generate([batch[(i + j) % len(batch)][:n] for j, n in enumerate(lengths)],
-                        params)
+    draft_warmed_every_bucket(engine)
+    serves_without_compiling(engine, [p[:60] for p in prompts(300)], 40, 20)
     assert engine.engine.stats().spec_num_accepted_tokens > 0
-    assert counters.compilations(stage=Stage.SERVING) == 0
-    missed = sum(s.value for f in counters.registry.collect() if f.name.endswith("misses")
-                 for s in f.samples if s.name.endswith("_total"))
-    assert missed == 0

@@ -15,12 +15,18 @@ import copy
 
 import pytest
 import torch
+from spec_checks import (
+    all_free,
+    draft_warmed_every_bucket,
+    outputs,
+    serves_without_compiling,
+    spec_llm,
+)
 from spec_draft import draft_pair, save
 from spec_eagle import save_head
 
 from server import LLM, SamplingParams
 from server.config import make_engine_config
-from server.hpu.types import Stage
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +53,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def llm(folder: str, config: dict | None, **extra) -> LLM:
-    kw = {"speculative_config": config} if config else {}
-    return LLM(folder, **{"dtype": "float32", "block_size": 16, "max_num_seqs": 8, **kw,
-                          **extra})
-
-
-def outputs(engine: LLM, batch: list[list[int]], **fields) -> list[list[list[int]]]:
-    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 40, "ignore_eos": True,
-                               **fields})
-    return [[c.token_ids for c in o.outputs] for o in engine.generate(batch, params)]
-
-
-def all_free(engine: LLM) -> bool:
-    stats = engine.engine.stats()
-    return (stats.num_free_blocks == stats.num_blocks
-            and not engine.engine.has_unfinished_requests())
+    return spec_llm(folder, config, **extra)
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -196,20 +188,5 @@ def test_compile_mode_warms_the_head_and_serves_without_compiling(target, heads)
     engine = LLM(target, dtype="float32", block_size=16, max_num_seqs=2,
                  max_model_len=64, execution_mode="compile",
                  speculative_config=spec("eagle3", heads["eagle3"]))
-    counters = engine.engine.counters
-    runner = engine.engine.runner
-    assert runner.draft is not None
-    planned = {phase: set(b) for phase, b in runner.shapes.buckets.items()}
-    assert runner.draft.graphs.warmed == runner.graphs.warmed == planned
-    gen = torch.Generator().manual_seed(5)
-    batch = [p[:30] for p in prompts(300)]
-    for i in range(3):
-        lengths = torch.randint(1, 30, (4,), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=15 + i * 5, ignore_eos=True)
-        engine.generate([batch[(i + j) % len(batch)][:n] for j, n in enumerate(lengths)],
-                        params)
-    assert engine.engine.stats().spec_num_draft_tokens > 0
-    assert counters.compilations(stage=Stage.SERVING) == 0
-    missed = sum(s.value for f in counters.registry.collect() if f.name.endswith("misses")
-                 for s in f.samples if s.name.endswith("_total"))
-    assert missed == 0
+    draft_warmed_every_bucket(engine)
+    serves_without_compiling(engine, [p[:30] for p in prompts(300)], 30, 15)

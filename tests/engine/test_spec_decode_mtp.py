@@ -14,11 +14,12 @@ import shutil
 
 import pytest
 import torch
+from spec_checks import all_free, draft_warmed_every_bucket, serves_without_compiling, spec_llm
+from spec_checks import outputs as greedy
 from spec_mtp import add_mtp, damp
 
-from server import LLM, SamplingParams
+from server import LLM
 from server.config import SpecMethod, make_engine_config
-from server.hpu.types import Stage
 
 V3 = dict(model_type="deepseek_v3", tie=False)
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
@@ -55,21 +56,11 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def llm(folder: str, config: dict | None, **extra) -> LLM:
-    kw = {"speculative_config": config} if config else {}
-    return LLM(folder, **{"dtype": "float32", "block_size": 8, "max_num_seqs": 8, **kw,
-                          **extra})
+    return spec_llm(folder, config, **{"block_size": 8, **extra})
 
 
 def outputs(engine: LLM, batch: list[list[int]], **fields) -> list[list[list[int]]]:
-    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 30, "ignore_eos": True,
-                               **fields})
-    return [[c.token_ids for c in o.outputs] for o in engine.generate(batch, params)]
-
-
-def all_free(engine: LLM) -> bool:
-    stats = engine.engine.stats()
-    return (stats.num_free_blocks == stats.num_blocks
-            and not engine.engine.has_unfinished_requests())
+    return greedy(engine, batch, **{"max_tokens": 30, **fields})
 
 
 def test_config_takes_vllm_spellings() -> None:
@@ -172,24 +163,8 @@ def test_compile_mode_warms_the_mtp_layer_and_serves_without_compiling(with_mtp,
     engine = LLM(with_mtp, dtype="float32", block_size=8, max_num_seqs=2, max_model_len=32,
                  execution_mode="compile", speculative_config=MTP,
                  environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
-    counters = engine.engine.counters
-    runner = engine.engine.runner
-    assert runner.draft is not None
-    planned = {phase: set(b) for phase, b in runner.shapes.buckets.items()}
-    assert sum(len(b) for b in planned.values()) == 3
-    assert runner.draft.graphs.warmed == runner.graphs.warmed == planned
-    gen = torch.Generator().manual_seed(5)
-    batch = prompts(200)[3:]
-    for i in range(3):
-        lengths = torch.randint(1, 16, (2,), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True)
-        engine.generate([batch[(i + j) % len(batch)][:n] for j, n in enumerate(lengths)],
-                        params)
-    assert engine.engine.stats().spec_num_draft_tokens > 0
-    assert counters.compilations(stage=Stage.SERVING) == 0
-    missed = sum(s.value for f in counters.registry.collect() if f.name.endswith("misses")
-                 for s in f.samples if s.name.endswith("_total"))
-    assert missed == 0
+    assert sum(len(b) for b in draft_warmed_every_bucket(engine).values()) == 3
+    serves_without_compiling(engine, prompts(200)[3:], 16, 10, rows=2, growth=1)
 
 
 def test_the_layer_shares_what_the_checkpoint_repeats_of_the_targets(agreeing,
