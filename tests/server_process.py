@@ -36,6 +36,19 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def metric(self, name: str, default: float | None = None) -> float:
+        """The value of ``name`` on /metrics, summed over its label sets; a series that is
+        not there is an error unless a ``default`` is given."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        values = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == name]
+        if not values and default is not None:
+            return default
+        assert values, f"no {name} series on /metrics"
+        return sum(values)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

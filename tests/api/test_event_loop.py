@@ -89,13 +89,6 @@ def rss_bytes(server) -> int:
     raise AssertionError("no VmRSS")
 
 
-def metric(server, name: str) -> float:
-    for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name} series")
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model):
     srv = start_server(tiny_model[0], *TINY_FLAGS, "--max-num-seqs", "128")
@@ -154,7 +147,7 @@ def test_a_huge_answer_with_logprobs_does_not_stall_others(server) -> None:
         assert all(len(entry["top_logprobs"]) == 20 for entry in content)
         assert content[0]["bytes"] == list(content[0]["token"].encode())
     assert max(latencies) < 2 * idle + MARGIN_S, (idle, sorted(latencies)[-5:])
-    assert metric(server, "vllm:kv_cache_usage_perc") == 0.0
+    assert server.metric("vllm:kv_cache_usage_perc") == 0.0
 
 
 def test_oversized_prompts_keep_memory_bounded(server) -> None:
@@ -180,10 +173,10 @@ def test_oversized_prompts_keep_memory_bounded(server) -> None:
 
 
 def test_loop_lag_metric_is_exported_and_moves(server) -> None:
-    first = metric(server, "hpu_serve:event_loop_lag_seconds_count")
+    first = server.metric("hpu_serve:event_loop_lag_seconds_count")
     time.sleep(0.6)
-    assert metric(server, "hpu_serve:event_loop_lag_seconds_count") >= first + 3
-    assert metric(server, "hpu_serve:event_loop_lag_last_seconds") >= 0.0
+    assert server.metric("hpu_serve:event_loop_lag_seconds_count") >= first + 3
+    assert server.metric("hpu_serve:event_loop_lag_last_seconds") >= 0.0
 
 
 def test_health_fails_while_the_engine_is_stuck_with_work(tiny_model) -> None:

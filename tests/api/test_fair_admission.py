@@ -23,16 +23,9 @@ pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
 A_ADDRESS = "127.0.0.2"  # the flooding client; the control client connects from 127.0.0.1
 
 
-def metric(server, name: str) -> float:
-    for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name} series")
-
-
 def wait_for(server, name: str, value: float, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while (seen := metric(server, name)) != value:
+    while (seen := server.metric(name)) != value:
         assert time.monotonic() < deadline, f"{name} is {seen}, not {value}, after {timeout}s"
         time.sleep(0.05)
 
@@ -77,7 +70,7 @@ def test_outage5_sequence_fan_out_is_a_400_and_the_control_is_unaffected(tiny_mo
             assert error["param"] == "n"
             assert "--max-seqs-per-request 256" in error["message"]
             assert "16384 sequences" in error["message"]
-        assert metric(srv, "vllm:num_requests_waiting") == 0  # nothing was queued
+        assert srv.metric("vllm:num_requests_waiting") == 0  # nothing was queued
         # the bar: within 2x idle plus an engine step (a generous step here)
         assert during < 2 * idle + 0.5, (idle, during)
         assert httpx.get(srv.base_url + "/health").status_code == 200
@@ -139,7 +132,7 @@ def test_client_limit_is_429_with_retry_after_and_counts_return_after_disconnect
     url = limited.base_url + "/v1/completions"
     holder, release = holding(url, 4)
     try:
-        assert metric(limited, "hpu_serve:client_sequences") == 4
+        assert limited.metric("hpu_serve:client_sequences") == 4
         refused = httpx.post(url, json=body(2), timeout=60)
         assert refused.status_code == 429, refused.text
         assert refused.headers["retry-after"] == "1"

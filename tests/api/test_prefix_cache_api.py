@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
-
-
-def counter(base_url: str, name: str) -> float:
-    text = httpx.get(base_url + "/metrics").text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name)
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +23,14 @@ def test_shared_prefix_hits_are_counted_and_reset_forgets_them(keyed_server) -> 
         resp = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
             "model": MODEL_NAME, "prompt": prefix + tail, "max_tokens": 3})
         assert resp.status_code == 200, resp.text
-    assert counter(url, "vllm:prefix_cache_queries_total") == 52 + 53
-    assert counter(url, "vllm:prefix_cache_hits_total") == 48
+    assert keyed_server.metric("vllm:prefix_cache_queries_total") == 52 + 53
+    assert keyed_server.metric("vllm:prefix_cache_hits_total") == 48
     assert httpx.post(url + "/reset_prefix_cache").status_code == 401
     reset = httpx.post(url + "/reset_prefix_cache", headers=auth)
     assert reset.status_code == 200 and reset.json()["dropped_blocks"] >= 3
     httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={
         "model": MODEL_NAME, "prompt": prefix + [6], "max_tokens": 3})
-    assert counter(url, "vllm:prefix_cache_hits_total") == 48  # nothing left to hit
+    assert keyed_server.metric("vllm:prefix_cache_hits_total") == 48  # nothing left to hit
 
 
 def test_observed_shapes_behind_the_key(keyed_server) -> None:
@@ -56,7 +49,7 @@ def test_observed_shapes_behind_the_key(keyed_server) -> None:
     # 3 decode steps of one sequence, 3 KV blocks (37..40 tokens)
     assert decode["steps"] == before["phases"]["decode"]["steps"] + 3
     assert [1, 1, 3] in [s[:3] for s in decode["shapes"]]
-    assert counter(url, "hpu_serve:step_shape_count") >= 4 * 2
+    assert keyed_server.metric("hpu_serve:step_shape_count") >= 4 * 2
 
 
 def test_suggest_reads_a_live_server_with_its_key(keyed_server, tmp_path, capsys) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -85,13 +84,6 @@ def test_forced_call_then_its_output_with_previous_response_id(client, smollm2_s
     assert client.responses.retrieve(answer.id).output_text == answer.output_text
 
 
-def metric(server, name: str) -> float:
-    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
 def test_background_then_cancel_frees_the_request(client, smollm2_server) -> None:
     created = client.responses.create(model=MODEL, input="Write a very long story.",
                                       background=True, max_output_tokens=900,
@@ -101,13 +93,13 @@ def test_background_then_cancel_frees_the_request(client, smollm2_server) -> Non
     while client.responses.retrieve(created.id).status == "queued":
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert metric(smollm2_server, "vllm:num_requests_running") >= 1
+    assert smollm2_server.metric("vllm:num_requests_running") >= 1
     cancelled = client.responses.cancel(created.id)
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(created.id).status == "cancelled"
     assert client.responses.cancel(created.id).status == "cancelled"  # idempotent
     deadline = time.monotonic() + 30
-    while metric(smollm2_server, "vllm:num_requests_running") != 0:
+    while smollm2_server.metric("vllm:num_requests_running") != 0:
         assert time.monotonic() < deadline, "the cancelled request still runs"
         time.sleep(0.05)
 

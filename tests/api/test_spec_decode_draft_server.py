@@ -6,18 +6,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 from spec_draft import draft_pair
-
-
-def counter(base_url: str, name: str) -> float:
-    text = httpx.get(base_url + "/metrics").text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +53,8 @@ def test_greedy_answers_equal_a_plain_server(servers, api: str, stream: bool) ->
     plain, spec = servers
     names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
              "vllm:spec_decode_num_accepted_tokens_total")
-    before = [counter(spec.base_url, n) for n in names]
+    before = [spec.metric(n, default=0.0) for n in names]
     assert ask(spec, api, stream) == ask(plain, api, stream)
-    drafts, drafted, accepted = (counter(spec.base_url, n) - b for n, b in zip(names, before))
+    drafts, drafted, accepted = (spec.metric(n) - b for n, b in zip(names, before))
     assert drafts > 0 and drafted >= drafts and accepted > 0
-    assert counter(plain.base_url, names[0]) == 0
+    assert plain.metric(names[0], default=0.0) == 0

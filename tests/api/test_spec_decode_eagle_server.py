@@ -7,22 +7,14 @@ from __future__ import annotations
 import copy
 import json
 
-import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 from spec_draft import save
 from spec_eagle import save_head
 
 from server import LLM, SamplingParams
-
-
-def counter(base_url: str, name: str) -> float:
-    text = httpx.get(base_url + "/metrics").text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name)
 
 
 @pytest.mark.slow
@@ -45,7 +37,7 @@ def test_a_completion_through_an_eagle_head(tiny_model, tmp_path) -> None:
         got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
                                         temperature=0.0, extra_body={"ignore_eos": True})
         assert got.choices[0].text == want[0].outputs[0].text
-        assert counter(server.base_url, "vllm:spec_decode_num_drafts_total") > 0
-        assert counter(server.base_url, "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert server.metric("vllm:spec_decode_num_drafts_total") > 0
+        assert server.metric("vllm:spec_decode_num_accepted_tokens_total") > 0
     finally:
         server.stop()

@@ -17,20 +17,13 @@ from server_process import MODEL_NAME, TINY_FLAGS, start_server
 pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
 
 
-def metric(server, name: str) -> float:
-    for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name} series")
-
-
 def wait_idle(server, timeout: float = 30.0) -> None:
     """Until nothing runs, waits or holds KV blocks (or fail with the numbers)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        state = (metric(server, "vllm:num_requests_running"),
-                 metric(server, "vllm:num_requests_waiting"),
-                 metric(server, "vllm:kv_cache_usage_perc"))
+        state = (server.metric("vllm:num_requests_running"),
+                 server.metric("vllm:num_requests_waiting"),
+                 server.metric("vllm:kv_cache_usage_perc"))
         if state == (0.0, 0.0, 0.0):
             return
         time.sleep(0.1)
@@ -112,7 +105,7 @@ def test_preemption_storm_keeps_outputs_identical(tiny_model) -> None:
 
         with concurrent.futures.ThreadPoolExecutor(24) as pool:
             together = list(pool.map(complete, prompts))
-        assert metric(srv, "vllm:num_preemptions_total") > 0
+        assert srv.metric("vllm:num_preemptions_total") > 0
         alone = [complete(p) for p in prompts]
         assert together == alone
         wait_idle(srv)
