@@ -1,5 +1,6 @@
 """Llama 4 text decoder (``Llama4ForCausalLM``, and the language model of a
-``Llama4ForConditionalGeneration`` checkpoint) on the building blocks of llama.py and moe.py.
+``Llama4ForConditionalGeneration`` checkpoint, whose vision tower is
+server/models/vision/llama4.py) on the building blocks of llama.py and moe.py.
 
 Its departures from the Llama decoder:
 
@@ -166,8 +167,16 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         lora_slots: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
+        mm_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """As llama.py's: ``mm_embeds`` / ``mm_mask``, the vision tower's rows in place of
+        the ``<|patch|>`` tokens' embeddings (server/models/vision/llama4.py); the image
+        tokens attend causally and within their chunk, as text does (transformers' masks)."""
         x = self.embed_tokens(input_ids)
+        if mm_embeds is not None and mm_mask is not None:
+            x = torch.where(mm_mask.view(*x.shape[:2], 1),
+                            mm_embeds.view(x.shape).to(x.dtype), x)
         flat_positions = positions.reshape(-1)
         rope = self.rotary(flat_positions, x.dtype)
         # NoPE layers go through the same rotary kernel with cos 1 and sin 0

@@ -53,6 +53,7 @@ from server.models.vision import (
     vision_config_of,
     vision_tensor_name,
 )
+from server.models.vision.llama4_config import Llama4VisionConfig, processor_tiling
 from server.models.vision.llava import text_tensor_name
 from server.models.vision.qwen2_5_vl_config import processor_pixel_bounds
 from server.models.weight_load import TensorOrigin, load_into
@@ -128,6 +129,19 @@ def load_vision_config(source: ModelSource) -> AnyVisionConfig | None:
     cfg = vision_config_of(AutoConfig.from_pretrained(source.folder))
     if isinstance(cfg, QwenVisionConfig):
         cfg = cfg.with_bounds(*processor_pixel_bounds(source.folder))
+    if isinstance(cfg, Llama4VisionConfig):
+        tiling = processor_tiling(source.folder)
+        if tiling is None:  # no image processor: its text model alone, as before
+            logger.info("%s has no preprocessor_config.json: Llama 4 served as its text "
+                        "model", source.folder)
+            return None
+        tile, max_patches = tiling
+        if tile != cfg.image_size:
+            raise ValueError(f"model folder {source.folder}: the image processor's "
+                             f"{tile}-pixel tiles are not the vision tower's "
+                             f"{cfg.image_size}")
+        cfg.check()
+        cfg = cfg.with_max_patches(max_patches)
     return cfg
 
 
@@ -213,13 +227,12 @@ def load_model(source: ModelSource, dtype: str, device: torch.device,
                         keep=parallel.is_driver)
     if plan is not None and reader is None and cfg.quant is None and cfg.model_type != "gpt_oss":
         # the rank's bytes only
-        slices = text_part(safetensors_slices(Path(source.folder)), cfg, log=True)
-        tensors = plan.read(split.text(slices) if vision_cfg is not None else slices)
+        tensors = plan.read(language_model(safetensors_slices(Path(source.folder)), cfg,
+                                           split, log=True))
     else:
         tensors = (dequantized_tensors(reader, full_cfg) if reader is not None
-                   else text_part(safetensors_tensors(Path(source.folder)), cfg, log=True))
-        if vision_cfg is not None:  # the vision tower's tensors kept aside
-            tensors = split.text(tensors)
+                   else language_model(safetensors_tensors(Path(source.folder)), cfg, split,
+                                       log=True))
         tensors = _canonical(tensors, cfg, gguf=reader is not None)
         if plan is not None:  # whole tensors first (GGUF blocks, packed quantized codes,
             # gpt-oss's interleaved experts)
@@ -305,12 +318,11 @@ def check_checkpoint(source: ModelSource, cfg: ModelConfig, reader: object | Non
     # the whole walk on meta: tensors the dequantizers create (index ranges) land there too
     with torch.device("meta"):
         model = causal_lm_class(cfg)(cfg)
+        split = VisionSplit(vision_cfg.family if vision_cfg is not None else None)
         tensors = (dequantized_tensors(reader, cfg, meta=True, origin=origin.names)
                    if reader is not None
-                   else text_part(safetensors_shapes(Path(source.folder), origin.names), cfg))
-        split = VisionSplit(vision_cfg.family if vision_cfg is not None else None)
-        if vision_cfg is not None:
-            tensors = split.text(tensors)
+                   else language_model(safetensors_shapes(Path(source.folder), origin.names),
+                                       cfg, split))
         load_into(model, _canonical(tensors, cfg, gguf=reader is not None), origin,
                   dry_run=True)
         if vision_cfg is not None:
@@ -327,6 +339,16 @@ def _canonical(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig,
     if cfg.model_type == "gpt_oss" and not gguf:
         tensors = gpt_oss_tensors(tensors, dequantized=cfg.quant is not None)
     return tensors
+
+
+def language_model(tensors: Iterator[tuple[str, T]], cfg: ModelConfig, split: VisionSplit,
+                   log: bool = False) -> Iterator[tuple[str, T]]:
+    """A checkpoint's language-model tensors under the Llama loader's names: a vision
+    model's tower kept aside by ``split``, else a conditional-generation checkpoint served
+    as its text model cut to its text part."""
+    if split.family is not None:
+        return split.text(tensors)
+    return text_part(tensors, cfg, log)
 
 
 def text_part(tensors: Iterator[tuple[str, T]], cfg: ModelConfig, log: bool = False

@@ -12,7 +12,7 @@ import torch
 
 from server.engine.multimodal.inputs import ImageSpan
 from server.engine.multimodal.plan import EncoderPlan
-from server.models.vision import Gemma3Vision, LlavaVision, QwenVision, VisionModel
+from server.models.vision import Gemma3Vision, Llama4Vision, LlavaVision, QwenVision, VisionModel
 from server.models.vision.qwen2_5_vl import pack_images
 
 
@@ -33,11 +33,12 @@ class EncoderCall:
 
 
 class EqualImages:
-    """LLaVA, Gemma 3: every image is ``pixel_shape``; calls of up to the largest bucket's images,
+    """LLaVA, Gemma 3 (Llama 4: every tile, one span each): every image is
+    ``pixel_shape``; calls of up to the largest bucket's images,
     the last padded up to the smallest bucket that holds the rest (blank images)."""
 
-    def __init__(self, vision: LlavaVision | Gemma3Vision, plan: EncoderPlan, padded: bool,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, vision: LlavaVision | Gemma3Vision | Llama4Vision, plan: EncoderPlan,
+                 padded: bool, device: torch.device, dtype: torch.dtype) -> None:
         self.vision = vision
         self.buckets = list(plan.buckets)
         self.padded = padded

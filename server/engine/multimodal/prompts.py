@@ -1,6 +1,7 @@
 """Which processor expands a vision model's image placeholders: the checkpoint's whole
 processor for the fixed-size families (processor.py: LLaVA, Gemma 3), its image processor
-alone for dynamic resolution (dynamic_processor.py: Qwen2.5-VL)."""
+alone for dynamic resolution (dynamic_processor.py: Qwen2.5-VL), Llama 4's tiling
+(tile_processor.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ from collections.abc import Mapping
 
 from server.engine.multimodal.dynamic_processor import DynamicImageProcessor
 from server.engine.multimodal.processor import ImageInputProcessor
-from server.models.vision import AnyVisionConfig, QwenVisionConfig, with_processor_kwargs
+from server.engine.multimodal.tile_processor import TiledImageProcessor
+from server.models.vision import (
+    AnyVisionConfig,
+    Llama4VisionConfig,
+    QwenVisionConfig,
+    with_processor_kwargs,
+)
 
-ImagePrompts = ImageInputProcessor | DynamicImageProcessor
+ImagePrompts = ImageInputProcessor | DynamicImageProcessor | TiledImageProcessor
 
 
 def image_prompts(folder: str, cfg: AnyVisionConfig, image_limit: int,
@@ -20,4 +27,7 @@ def image_prompts(folder: str, cfg: AnyVisionConfig, image_limit: int,
     if isinstance(cfg, QwenVisionConfig):
         return DynamicImageProcessor(folder, with_processor_kwargs(cfg, processor_kwargs),
                                      image_limit)
+    if isinstance(cfg, Llama4VisionConfig):
+        return TiledImageProcessor(folder, with_processor_kwargs(cfg, processor_kwargs),
+                                   image_limit)
     return ImageInputProcessor(folder, cfg, image_limit, processor_kwargs)

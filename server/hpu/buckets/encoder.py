@@ -22,9 +22,11 @@ def encoder_buckets(max_images: int) -> list[int]:
     return sizes + [max(1, max_images)]
 
 
-def format_encoder_plan(buckets: list[int], patches: int, pixels: str) -> str:
-    return (f"Generated {len(buckets)} encoder buckets [images, patches] ({pixels} pixels "
-            f"per image): {[(n, patches) for n in buckets]}")
+def format_encoder_plan(buckets: list[int], patches: int, pixels: str,
+                        unit: str = "images") -> str:
+    """``unit``: what one input is ("tiles": Llama 4's, several per image)."""
+    return (f"Generated {len(buckets)} encoder buckets [{unit}, patches] ({pixels} pixels "
+            f"per {unit[:-1]}): {[(n, patches) for n in buckets]}")
 
 
 def max_encoder_patches(image_limit: int, max_num_seqs: int, max_num_batched_tokens: int,

@@ -3,7 +3,8 @@ language model's embeddings. The language model itself is the Llama-family decod
 (server/models/llama.py); ``config.py`` reads a checkpoint's vision settings, ``llava.py``
 builds LLaVA's CLIP tower and projector, ``gemma3.py`` Gemma 3's SigLIP tower and pooling
 projector (``vit.py``: the transformer layer both towers share), ``qwen2_5_vl.py``
-Qwen2.5-VL's dynamic-resolution tower. The functions here pick the family's."""
+Qwen2.5-VL's dynamic-resolution tower, ``llama4.py`` Llama 4's tiled tower and pixel-shuffle
+adapter. The functions here pick the family's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from server.models.vision import llava, qwen2_5_vl
+from server.models.vision import llama4, llava, qwen2_5_vl
 from server.models.vision.config import (
     AnyVisionConfig,
     VisionConfig,
@@ -19,19 +20,24 @@ from server.models.vision.config import (
     vision_config_of,
 )
 from server.models.vision.gemma3 import Gemma3Vision
+from server.models.vision.llama4 import Llama4Vision
+from server.models.vision.llama4_config import Llama4VisionConfig
 from server.models.vision.llava import LlavaVision
 from server.models.vision.qwen2_5_vl import QwenVision
 from server.models.vision.qwen2_5_vl_config import QwenVisionConfig
 
 # what the engine runs: pixels [n, c, h, w] -> rows [n, tokens_per_image, text hidden]
-# (LLaVA, Gemma 3), or packed patches -> rows (Qwen2.5-VL, see qwen2_5_vl.py)
-VisionModel = LlavaVision | Gemma3Vision | QwenVision
+# (LLaVA, Gemma 3; Llama 4: n tiles), or packed patches -> rows (Qwen2.5-VL, see
+# qwen2_5_vl.py)
+VisionModel = LlavaVision | Gemma3Vision | QwenVision | Llama4Vision
 
 
 def build_vision(cfg: AnyVisionConfig) -> VisionModel:
     """The vision side of ``cfg``'s family (weights uninitialised: load_vision fills them)."""
     if isinstance(cfg, QwenVisionConfig):
         return QwenVision(cfg)
+    if isinstance(cfg, Llama4VisionConfig):
+        return Llama4Vision(cfg)
     if cfg.family is VisionFamily.GEMMA3:
         return Gemma3Vision(cfg)
     return LlavaVision(cfg)
@@ -40,8 +46,19 @@ def build_vision(cfg: AnyVisionConfig) -> VisionModel:
 def with_processor_kwargs(cfg: AnyVisionConfig, kwargs: Mapping[str, object]
                           ) -> AnyVisionConfig:
     """The config under ``--mm-processor-kwargs``: a dynamic-resolution processor's resize
-    bounds (Qwen2.5-VL, which takes those two only: they size its encoder buckets); the
-    other families' processors check their own settings (the engine's image processor)."""
+    bounds (Qwen2.5-VL, which takes those two only: they size its encoder buckets), Llama
+    4's most tiles per image (``max_patches``, the only one it takes: it sizes the tiles
+    per encoder call); the other families' processors check their own settings (the
+    engine's image processor)."""
+    if isinstance(cfg, Llama4VisionConfig):
+        for key, value in kwargs.items():
+            if key != "max_patches":
+                raise ValueError(f"--mm-processor-kwargs: {key!r} is not supported for "
+                                 f"{cfg.family} (max_patches)")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError("--mm-processor-kwargs: max_patches must be a tile count "
+                                 ">= 1")
+        return cfg.with_max_patches(kwargs.get("max_patches"))  # type: ignore[arg-type]
     if not isinstance(cfg, QwenVisionConfig):
         return cfg
     bounds: dict[str, int] = {}
@@ -60,6 +77,8 @@ def vision_tensor_name(family: VisionFamily, name: str) -> str | None:
     tensor."""
     if family is VisionFamily.QWEN2_5_VL:
         return qwen2_5_vl.vision_tensor_name(name)
+    if family is VisionFamily.LLAMA4:
+        return llama4.vision_tensor_name(name)
     return llava.vision_tensor_name(name)
 
 
@@ -71,6 +90,7 @@ def load_vision(module: VisionModel, tensors: dict[str, torch.Tensor], where: st
         llava.load_vision(module, tensors, where, dry_run)
 
 
-__all__ = ["AnyVisionConfig", "Gemma3Vision", "LlavaVision", "QwenVision", "QwenVisionConfig",
+__all__ = ["AnyVisionConfig", "Gemma3Vision", "Llama4Vision", "Llama4VisionConfig",
+           "LlavaVision", "QwenVision", "QwenVisionConfig",
            "VisionConfig", "VisionFamily", "VisionModel", "build_vision", "load_vision",
            "vision_config_of", "vision_tensor_name", "with_processor_kwargs"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.models.registry import served_as_text
+from server.models.vision.llama4_config import Llama4VisionConfig, llama4_vision_config
 from server.models.vision.qwen2_5_vl_config import QwenVisionConfig, qwen_vision_config
 
 
@@ -17,6 +18,7 @@ class VisionFamily(str, enum.Enum):
     LLAVA = "llava"
     GEMMA3 = "gemma3"
     QWEN2_5_VL = "qwen2_5_vl"
+    LLAMA4 = "llama4"
 
     def __str__(self) -> str:
         return self.value
@@ -25,7 +27,8 @@ class VisionFamily(str, enum.Enum):
 # the architectures of config.json that carry a vision tower, by family
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": VisionFamily.LLAVA,
                         "Gemma3ForConditionalGeneration": VisionFamily.GEMMA3,
-                        "Qwen2_5_VLForConditionalGeneration": VisionFamily.QWEN2_5_VL}
+                        "Qwen2_5_VLForConditionalGeneration": VisionFamily.QWEN2_5_VL,
+                        "Llama4ForConditionalGeneration": VisionFamily.LLAMA4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +85,7 @@ class VisionConfig:
 
 
 # a vision-language checkpoint's vision settings, whichever family it is
-AnyVisionConfig = VisionConfig | QwenVisionConfig
+AnyVisionConfig = VisionConfig | QwenVisionConfig | Llama4VisionConfig
 
 
 def vision_config_of(hf: Any) -> AnyVisionConfig | None:
@@ -92,10 +95,12 @@ def vision_config_of(hf: Any) -> AnyVisionConfig | None:
     if vision is None:
         return None
     architectures = getattr(hf, "architectures", None) or []
-    if served_as_text(architectures):
-        return None  # served as its text model (Llama 4): the tower is skipped at load
     family = next((VISION_ARCHITECTURES[a] for a in architectures
                    if a in VISION_ARCHITECTURES), None)
+    if family is VisionFamily.LLAMA4:
+        return llama4_vision_config(hf, family)
+    if served_as_text(architectures):
+        return None  # served as its text model: the tower is skipped at load
     if family is None and getattr(hf, "model_type", None) == "llava":
         family = VisionFamily.LLAVA
     if family is None:

@@ -10,6 +10,7 @@ from torch import nn
 from server.models.errors import ModelFileError
 from server.models.vision.config import VisionConfig
 from server.models.vision.gemma3 import Gemma3Vision
+from server.models.vision.llama4 import Llama4Vision
 from server.models.vision.vit import EncoderLayer, activation
 
 
@@ -120,8 +121,8 @@ def text_tensor_name(name: str) -> str:
     return name
 
 
-def load_vision(module: LlavaVision | Gemma3Vision, tensors: dict[str, torch.Tensor],
-                where: str, dry_run: bool = False) -> None:
+def load_vision(module: LlavaVision | Gemma3Vision | Llama4Vision,
+                tensors: dict[str, torch.Tensor], where: str, dry_run: bool = False) -> None:
     """Copies the tower's and projector's tensors in; those the module does not use (its
     ``skips``) are skipped; a missing or misshapen weight is a ModelFileError."""
     params = dict(module.named_parameters())
