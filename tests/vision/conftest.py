@@ -30,3 +30,13 @@ def tiny_qwen25vl(tmp_path_factory: pytest.TempPathFactory):
 
     path = tmp_path_factory.mktemp("tiny-qwen25vl")
     return str(path), save_tiny_qwen25vl(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4v(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object, object]:
+    """(folder, HF Llama4ForConditionalGeneration, its tokenizer)."""
+    from llama4_vision_helpers import save_tiny_llama4_vision
+
+    path = tmp_path_factory.mktemp("tiny-llama4v")
+    model, tokenizer = save_tiny_llama4_vision(path)
+    return str(path), model, tokenizer
