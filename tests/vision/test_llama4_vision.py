@@ -120,6 +120,23 @@ def test_tiling_and_prompt_ids_equal_transformers(tiny_llama4v) -> None:
     assert {(1, 1), (2, 2), (4, 1), (1, 4)} <= grids  # 1, 4 tiles in every shape
 
 
+def test_tiles_equal_transformers_torchvision_processor(tiny_llama4v) -> None:
+    """Where torchvision is installed: the prompt ids and the tiles' pixels equal
+    transformers' whole Llama4Processor (AutoProcessor from the folder)."""
+    pytest.importorskip("torchvision")  # transformers' Llama4ImageProcessor needs it
+    from transformers import AutoProcessor
+
+    folder, _, tokenizer = tiny_llama4v
+    processor = AutoProcessor.from_pretrained(folder)
+    for text, images in cases():
+        enc = processor(text=text, images=images, return_tensors="pt",
+                        add_special_tokens=False)
+        ids, spans = _tiles(folder, images).process(
+            tokenizer(text, add_special_tokens=False)["input_ids"], images, "messages")
+        assert ids == enc["input_ids"][0].tolist()
+        assert torch.equal(torch.stack([s.pixels for s in spans]), enc["pixel_values"])
+
+
 def test_reference_depends_on_the_image(tiny_llama4v) -> None:
     """Another image, another answer (else the checks below could pass without it); and
     the text model's chunks are shorter than one tile's rows."""
