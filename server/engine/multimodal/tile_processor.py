@@ -146,7 +146,9 @@ class TiledImageProcessor:
         array = convert_to_rgb(image, return_numpy=True) if self.convert_rgb else np.array(image)
         if array.ndim != 3 or array.shape[2] != 3:
             raise ValueError(f"an image of shape {list(array.shape)} is not RGB")
-        pixels = torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)[None]
+        # [1, 3, h, w] contiguous, as transformers stacks its channel-first images
+        pixels = torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1).contiguous()
+        pixels = pixels[None]
         height, width = pixels.shape[-2:]
         tile = self.tile
         canvas = best_canvas(height, width, canvases(self.max_patches, tile), self.to_max)
@@ -168,11 +170,17 @@ class TiledImageProcessor:
 
     @staticmethod
     def _resize(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """uint8 ``[1, 3, h, w]``, bilinear with antialiasing (torchvision's tensor resize)."""
+        """uint8 ``[1, 3, h, w]``, bilinear with antialiasing, as torchvision's tensor resize
+        does it: on the uint8 values where the CPU has AVX2 (torch's fixed-point kernel),
+        else in float32, rounded back."""
         if (height, width) == tuple(pixels.shape[-2:]):
             return pixels
-        return F.interpolate(pixels, size=(height, width), mode="bilinear",
-                             align_corners=False, antialias=True)
+        if "AVX2" in torch.backends.cpu.get_cpu_capability():
+            return F.interpolate(pixels, size=(height, width), mode="bilinear",
+                                 align_corners=False, antialias=True)
+        out = F.interpolate(pixels.float(), size=(height, width), mode="bilinear",
+                            align_corners=False, antialias=True)
+        return out.round_().to(torch.uint8)
 
     def _normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 -> bfloat16, rescaled and normalised in bfloat16 as the processor does."""
