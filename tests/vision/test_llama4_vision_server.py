@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import io
 
-import httpx
 import openai
 import pytest
 from llama4_vision_helpers import reference
@@ -49,13 +48,6 @@ def _expected(tiny_llama4v, content: list[dict]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _metric(base_url: str, prefix: str) -> float:
-    lines = [line for line in httpx.get(base_url + "/metrics").text.splitlines()
-             if line.startswith(prefix)]
-    assert lines, prefix
-    return float(lines[0].split()[-1])
-
-
 @pytest.mark.slow  # a server start and five references (~30 s on two shared cores)
 def test_sdk_answers_equal_transformers(tiny_llama4v, start_server_fn) -> None:
     srv = start_server_fn(tiny_llama4v[0], "--dtype", "float32", "--block-size", "8",
@@ -77,7 +69,7 @@ def test_sdk_answers_equal_transformers(tiny_llama4v, start_server_fn) -> None:
         for content in messages:
             assert _chat(client, content) == _expected(tiny_llama4v, content)
         # the square (one tile) again: found in the encoder cache
-        assert _metric(srv.base_url, "hpu_serve:encoder_cache_hits_total") >= 1
+        assert srv.metric("hpu_serve:encoder_cache_hits_total") >= 1
         with pytest.raises(openai.BadRequestError, match="at most 2 images"):
             _chat(client, [_part(data_uri(square))] * 3)
     finally:
