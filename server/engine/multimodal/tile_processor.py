@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import math
+import platform
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -171,11 +172,12 @@ class TiledImageProcessor:
     @staticmethod
     def _resize(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """uint8 ``[1, 3, h, w]``, bilinear with antialiasing, as torchvision's tensor resize
-        does it: on the uint8 values where the CPU has AVX2 (torch's fixed-point kernel),
-        else in float32, rounded back."""
+        does it: on the uint8 values where the CPU has AVX2 or AVX-512, or is ARM (torch's
+        fixed-point kernel), else in float32, rounded back."""
         if (height, width) == tuple(pixels.shape[-2:]):
             return pixels
-        if "AVX2" in torch.backends.cpu.get_cpu_capability():
+        if (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+                or platform.machine() in ("aarch64", "arm64")):
             return F.interpolate(pixels, size=(height, width), mode="bilinear",
                                  align_corners=False, antialias=True)
         out = F.interpolate(pixels.float(), size=(height, width), mode="bilinear",
