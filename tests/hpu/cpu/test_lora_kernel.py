@@ -39,8 +39,9 @@ def make_site(inputs: int, parts: tuple[int, ...], slots: int, rank: int, ranks:
     x = torch.randn(tokens, inputs, generator=gen)
     y = torch.randn(tokens, sum(parts), generator=gen)
     row_slots = torch.randint(0, slots + 1, (tokens,), generator=gen)
-    row_slots[0] = 0  # always a row without adapter, and (below) one of the last slot
-    row_slots[-1] = slots if tokens > 1 else row_slots[-1]
+    row_slots[-1] = slots  # one row of the last slot, and one without adapter
+    if tokens > 1:
+        row_slots[0] = 0
     return x.to(dtype), y.to(dtype), a.to(dtype), bt.to(dtype), row_slots
 
 
