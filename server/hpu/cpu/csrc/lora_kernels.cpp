@@ -41,45 +41,95 @@ inline void put16(BFloat16* p, f32x16 v) {
   std::memcpy(p, &h, sizeof(h));
 }
 
-// out[b] = dot(a, x_b) for NB rows x_b = x + rows[b] * n, 16 lanes at a time: the A row is
-// loaded once for every row of the block.
+// One expand job: columns [begin, end) of part p.
+struct Columns {
+  int64_t part, begin, end;
+};
+
+// Rows go through in tiles of up to kTile rows of one slot: each A row and each B^T vector
+// is loaded (and widened) once per tile, the tile's rows widened to fp32 once per part.
+constexpr int64_t kTile = 4;
+
+// h[b * stride + r] = dot(A row r, x_b) for the NB fp32 rows of xf ([NB, n]), rounded to T.
 template <int NB, typename T>
-void dot_block(const T* a, const T* x, const int64_t* rows, int64_t n, float* out) {
-  const T* xr[NB];
-  f32x16 acc[NB];
-  for (int b = 0; b < NB; ++b) {
-    xr[b] = x + rows[b] * n;
-    acc[b] = f32x16{};
-  }
+void shrink_tile(const T* a, const float* xf, int64_t n, int64_t rank, float* h,
+                 int64_t stride) {
   const int64_t whole = n / 16 * 16;
-  for (int64_t i = 0; i < whole; i += 16) {
-    const f32x16 av = load16(a + i);
-    for (int b = 0; b < NB; ++b) acc[b] += av * load16(xr[b] + i);
+  for (int64_t r = 0; r < rank; ++r) {
+    const T* ar = a + r * n;
+    f32x16 acc[NB];
+    for (int b = 0; b < NB; ++b) acc[b] = f32x16{};
+    for (int64_t i = 0; i < whole; i += 16) {
+      const f32x16 av = load16(ar + i);
+      for (int b = 0; b < NB; ++b) acc[b] += av * load16(xf + b * n + i);
+    }
+    for (int b = 0; b < NB; ++b) {
+      float sum = sum16(acc[b]);
+      for (int64_t i = whole; i < n; ++i) sum += load(ar, i) * xf[b * n + i];
+      h[b * stride + r] = rounded<T>(sum);
+    }
   }
-  for (int b = 0; b < NB; ++b) {
-    float s = sum16(acc[b]);
-    for (int64_t i = whole; i < n; ++i) s += load(a, i) * load(xr[b], i);
-    out[b] = s;
+}
+
+// y_b[c .. end) += h_b B^T[:, c .. end) for the NB rows of a tile (hk[b]: row b's rank
+// values of this part), 16 columns at a time in fp32 registers, each B^T vector loaded once.
+template <int NB, typename T>
+void expand_tile(const float* const* hk, T* const* yr, const T* b, int64_t rank, int64_t out,
+                 int64_t c, int64_t end) {
+  for (; c + 16 <= end; c += 16) {
+    f32x16 acc[NB];
+    for (int t = 0; t < NB; ++t) acc[t] = load16(yr[t] + c);
+    for (int64_t r = 0; r < rank; ++r) {
+      const f32x16 bv = load16(b + r * out + c);
+      for (int t = 0; t < NB; ++t) acc[t] += hk[t][r] * bv;
+    }
+    for (int t = 0; t < NB; ++t) put16(yr[t] + c, acc[t]);
+  }
+  for (; c < end; ++c) {
+    for (int t = 0; t < NB; ++t) {
+      float v = load(yr[t], c);
+      for (int64_t r = 0; r < rank; ++r) v += hk[t][r] * load(b, r * out + c);
+      store(yr[t], c, v);
+    }
+  }
+}
+
+// Calls F<NB> for the tile's row count (1 .. kTile) as a compile-time constant.
+template <template <int> class F, typename... Args>
+void by_count(int64_t count, Args&&... args) {
+  switch (count) {
+    case 4: F<4>::run(args...); break;
+    case 3: F<3>::run(args...); break;
+    case 2: F<2>::run(args...); break;
+    default: F<1>::run(args...); break;
   }
 }
 
 template <typename T>
-void dot_rows(const T* a, const T* x, const int64_t* rows, int64_t count, int64_t n,
-              float* out) {
-  int64_t b = 0;
-  for (; b + 4 <= count; b += 4) dot_block<4>(a, x, rows + b, n, out + b);
-  switch (count - b) {
-    case 3: dot_block<3>(a, x, rows + b, n, out + b); break;
-    case 2: dot_block<2>(a, x, rows + b, n, out + b); break;
-    case 1: dot_block<1>(a, x, rows + b, n, out + b); break;
-    default: break;
-  }
-}
+struct Shrink {
+  template <int NB>
+  struct At {
+    static void run(const T* a, const float* xf, int64_t n, int64_t rank, float* h,
+                    int64_t stride) {
+      shrink_tile<NB, T>(a, xf, n, rank, h, stride);
+    }
+  };
+};
 
-// One expand job: columns [begin, end) of part p (begin a multiple of 16 from the part's
-// start, or the tail).
-struct Columns {
-  int64_t part, begin, end;
+template <typename T>
+struct Expand {
+  template <int NB>
+  struct At {
+    static void run(const float* const* hk, T* const* yr, const T* b, int64_t rank,
+                    int64_t out, int64_t c, int64_t end) {
+      expand_tile<NB, T>(hk, yr, b, rank, out, c, end);
+    }
+  };
+};
+
+// A tile: rows order[first .. first + count) of slot s, count <= kTile.
+struct Tile {
+  int64_t slot, first, count;
 };
 
 template <typename T>
@@ -105,35 +155,39 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
       if (slot[t] >= 0) order[fill[slot[t]]++] = t;
     }
   }
-  std::vector<int64_t> present;  // the slots some row uses
+  std::vector<Tile> tiles;  // only the slots some row uses
   for (int64_t s = 0; s < num_slots; ++s) {
-    if (start[s + 1] > start[s]) present.push_back(s);
+    for (int64_t k = start[s]; k < start[s + 1]; k += kTile) {
+      tiles.push_back({s, k, std::min(kTile, start[s + 1] - k)});
+    }
   }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
   const T* bp = bt.data_ptr<T>();
   T* yp = y.data_ptr<T>();
 
-  // shrink: h[k, p, r] = x[order[k]] . A[p, s, r] (k: the row's place in order), rounded
-  // to T; one job per (present slot, part, rank row) reads its A row once
-  std::vector<float> h(active * num_parts * rank);
-  const int64_t shrink_jobs = static_cast<int64_t>(present.size()) * num_parts * rank;
-  at::parallel_for(0, shrink_jobs, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> dots(tokens);
+  // shrink: h[k, p, :] = A[p, s] x[order[k]] (k: the row's place in order), rounded to T;
+  // one job per (tile, part)
+  const int64_t stride = num_parts * rank;
+  std::vector<float> h(active * stride);
+  at::parallel_for(0, num_tiles * num_parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(kTile * in);
     for (int64_t j = begin; j < end; ++j) {
-      const int64_t s = present[j / (num_parts * rank)];
-      const int64_t p = j / rank % num_parts, r = j % rank;
-      const int64_t first = start[s], count = start[s + 1] - first;
-      dot_rows(ap + ((p * num_slots + s) * rank + r) * in, xp, order.data() + first, count, in,
-               dots.data());
-      for (int64_t k = 0; k < count; ++k) {
-        h[((first + k) * num_parts + p) * rank + r] = rounded<T>(dots[k]);
+      const Tile tile = tiles[j / num_parts];
+      const int64_t p = j % num_parts;
+      for (int64_t b = 0; b < tile.count; ++b) {
+        const T* row = xp + order[tile.first + b] * in;
+        for (int64_t i = 0; i < in; ++i) xf[b * in + i] = load(row, i);
       }
+      by_count<Shrink<T>::template At>(tile.count, ap + (p * num_slots + tile.slot) * rank * in,
+                                       xf.data(), in, rank, h.data() + tile.first * stride +
+                                       p * rank, stride);
     }
   });
 
-  // expand: y[t, cols of p] += h[k, p, :] B^T[s, :, cols], 16 columns at a time in fp32
-  // registers; one job per column range, each walking every present slot's rows
+  // expand: y[t, cols of p] += h[k, p, :] B^T[s, :, cols]; one job per 64-column range of
+  // a part, walking every tile
   std::vector<Columns> jobs;
   constexpr int64_t kWidth = 64;
   for (int64_t p = 0, col = 0; p < num_parts; col += parts[p], ++p) {
@@ -144,23 +198,15 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
   at::parallel_for(0, static_cast<int64_t>(jobs.size()), 4, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const Columns cols = jobs[j];
-      for (const int64_t s : present) {
-        const T* b = bp + s * rank * out;
-        for (int64_t k = start[s]; k < start[s + 1]; ++k) {
-          const float* hk = h.data() + (k * num_parts + cols.part) * rank;
-          T* yr = yp + order[k] * out;
-          int64_t c = cols.begin;
-          for (; c + 16 <= cols.end; c += 16) {
-            f32x16 acc = load16(yr + c);
-            for (int64_t r = 0; r < rank; ++r) acc += hk[r] * load16(b + r * out + c);
-            put16(yr + c, acc);
-          }
-          for (; c < cols.end; ++c) {
-            float v = load(yr, c);
-            for (int64_t r = 0; r < rank; ++r) v += hk[r] * load(b, r * out + c);
-            store(yr, c, v);
-          }
+      for (const Tile& tile : tiles) {
+        const float* hk[kTile];
+        T* yr[kTile];
+        for (int64_t b = 0; b < tile.count; ++b) {
+          hk[b] = h.data() + (tile.first + b) * stride + cols.part * rank;
+          yr[b] = yp + order[tile.first + b] * out;
         }
+        by_count<Expand<T>::template At>(tile.count, hk, yr, bp + tile.slot * rank * out, rank,
+                                         out, cols.begin, cols.end);
       }
     }
   });
