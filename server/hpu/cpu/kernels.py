@@ -84,11 +84,6 @@ def kernels_available() -> bool:
     return hasattr(torch.ops, "hpu_serve") and hasattr(torch.ops.hpu_serve, "decode_attention")
 
 
-def lora_kernel_available() -> bool:
-    """True once ``hpu_serve::lora_add_`` (csrc/lora_kernels.cpp) is registered."""
-    return kernels_available() and hasattr(torch.ops.hpu_serve, "lora_add_")
-
-
 def _register_fakes() -> None:
     """Shape-only kernels of the ops a compiled graph may call, so that torch.compile
     traces them as opaque calls (the LoRA op: it writes ``y`` in place, returns nothing)."""

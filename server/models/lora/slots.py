@@ -6,8 +6,9 @@ Per layer and site, ``A [P, S, R, in]`` and ``B^T [S, R, out]`` (each part's out
 from its own ``R`` shrink rows: ops.py); slot ``s`` (1..S) is index ``s - 1``, a row of slot
 0 (no adapter) is masked out (the PyTorch op) or skipped (the fused CPU kernel: ``kernel``,
 where the layer ops are the fused CPU ones; ops.py's :func:`lora_dense` stays the
-reference and the path of every other backend). Loading an adapter copies its weights into a slot in place: no tensor is
-reallocated, so compiled or captured graphs keep reading the same storage.
+reference and the path of every other backend). Loading an adapter copies its weights into
+a slot in place: no tensor is reallocated, so compiled or captured graphs keep reading the
+same storage.
 """
 
 from __future__ import annotations
