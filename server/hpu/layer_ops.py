@@ -46,6 +46,8 @@ class TorchLayerOps:
     name = "torch"
     # Decode metadata this backend reads: the flat block list of vLLM's Gaudi backend.
     decode_layout: ClassVar[DecodeLayout] = DecodeLayout.FLAT
+    # whether torch.ops.hpu_serve.lora_add_ serves LoRA deltas (server/models/lora)
+    lora_kernel: ClassVar[bool] = False
 
     def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
         """The engine's caches (``[blocks, Hkv, B, D]`` each) as this backend lays them out."""

@@ -43,13 +43,15 @@ def test_base_and_two_adapters_share_steps(tiny_model_factory, adapter_factory,
 def test_eager_steps_without_adapter_skip_lora(tiny_model, adapter_factory, monkeypatch
                                                ) -> None:
     """With --enable-lora, an eager step in which no row has an adapter runs no LoRA op at
-    all (the host knows: no slot input); a step with one runs it in every layer."""
+    all (the host knows: no slot input); a step with one runs it in every layer, as the
+    fused CPU kernel."""
     from server.models.lora import slots as slot_module
 
     calls = []
-    real = slot_module.lora_dense
-    monkeypatch.setattr(slot_module, "lora_dense",
-                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    for name in ("lora_dense", "lora_kernel"):  # the PyTorch op, or the fused CPU one
+        real = getattr(slot_module, name)
+        monkeypatch.setattr(slot_module, name, lambda *args, real=real, **kwargs:
+                            calls.append(real.__name__) or real(*args, **kwargs))
     folder, hf_model, _ = tiny_model
     llm = LLM(folder, dtype="float32", block_size=16, max_num_seqs=4, enable_lora=True,
               max_loras=1, max_lora_rank=8, enforce_eager=True)
@@ -59,3 +61,6 @@ def test_eager_steps_without_adapter_skip_lora(tiny_model, adapter_factory, monk
     llm.generate([[5, 6, 7]], params,
                  lora_request=LoRARequest("a", 1, adapter_factory(hf_model, 8, seed=1)))
     assert calls
+    # eager CPU with its fused kernels (the default, built where a compiler exists): the
+    # fused LoRA kernel serves every projection
+    assert set(calls) == {"lora_kernel"}

@@ -156,7 +156,7 @@ class ModelRunner:
             plan = loaded.plan  # tensor parallelism: each rank holds its part of a slot
             slots = LoRASlots(cfg, config.lora.max_loras, config.lora.max_lora_rank,
                               lora_dtype(config.lora.lora_dtype, loaded.dtype), platform.device,
-                              plan.shard_lora if plan is not None else None)
+                              plan.shard_lora if plan is not None else None, ops.lora_kernel)
             loaded.model.enable_lora(slots)
             self.lora = LoRAManager(config.lora, plan.config if plan is not None else cfg,
                                     slots if wrap_lora is None else wrap_lora(slots))

@@ -6,7 +6,7 @@ version and the CPU's instruction-set flags, so a cache volume moved to another 
 rebuilds instead of hitting an illegal instruction. Plain compiler calls (one per source, in
 parallel, then a link), no ninja, no lock file: concurrent first starts each build to
 private temp files and rename the library into place, so a crashed build can never leave a
-later start waiting. Building takes ~100 s of CPU time (three sources, compiled in parallel:
+later start waiting. Building takes ~100 s of CPU time (four sources, compiled in parallel:
 about a minute on 2 idle cores, one instantiation per dtype, head size and group count of
 the attention fast paths); loading a cached build is instant. Without a compiler the engine keeps the pure
 PyTorch ops, which compute the same values.
@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "layer_kernels.cpp", CSRC / "paged_attention.cpp",
-           CSRC / "paged_attention_fp8.cpp")
+           CSRC / "paged_attention_fp8.cpp",
+           CSRC / "lora_kernels.cpp")
 HEADERS = (CSRC / "kernel_utils.h", CSRC / "paged_attention.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-DNDEBUG", "-std=c++17", "-fPIC")
@@ -83,6 +84,18 @@ def kernels_available() -> bool:
     return hasattr(torch.ops, "hpu_serve") and hasattr(torch.ops.hpu_serve, "decode_attention")
 
 
+def _register_fakes() -> None:
+    """Shape-only kernels of the ops a compiled graph may call, so that torch.compile
+    traces them as opaque calls (the LoRA op: it writes ``y`` in place, returns nothing)."""
+    if hasattr(torch.ops.hpu_serve, "lora_add_"):
+        torch.library.register_fake("hpu_serve::lora_add_")(_lora_add_fake)
+
+
+def _lora_add_fake(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                   slot: torch.Tensor, parts: list[int]) -> None:
+    del y, x, a, bt, slot, parts
+
+
 def load_cpu_kernels(cache_dir: str | Path) -> bool:
     """Builds (first time for this machine and source) into ``cache_dir`` and registers the
     kernels; False, with the reason logged, where that is impossible (no compiler, a failed
@@ -118,6 +131,7 @@ def _load(cache_dir: Path) -> bool:
                 return False
             logger.info("Fused CPU kernels built in %.1f s", time.monotonic() - start)
         torch.ops.load_library(str(path))
+        _register_fakes()
         return kernels_available()
     except (OSError, RuntimeError) as exc:
         logger.warning("Fused CPU kernels unavailable, using PyTorch ops: %s", exc)

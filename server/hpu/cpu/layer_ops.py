@@ -34,6 +34,7 @@ class FusedCpuLayerOps(TorchLayerOps):
     # KV caches the kernels read and write besides the model's dtype (unscaled, as the
     # engine stores them: see server/engine/worker/model_runner.py kv_cache_dtype)
     kv_dtypes = (torch.float8_e4m3fn,)
+    lora_kernel = True  # csrc/lora_kernels.cpp, built into the same library
 
     def can_serve(self, kv_dtype: torch.dtype, attn_softcap: float | None,
                   window: int | None = None, partial_rotary: bool = False) -> bool:

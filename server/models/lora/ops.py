@@ -1,6 +1,7 @@
 """The batched LoRA op: each token row adds its own adapter's ``x A^T B^T``, for any mix of
 adapters in one static-shape batch. ``benchmarks/lora_ops.py`` measures the ways to compute
-it; the model runs :func:`lora_dense` (static shapes: every execution mode).
+it; the model runs :func:`lora_dense` (static shapes: every execution mode), or on the eager CPU
+backend :func:`lora_kernel`, the same delta in one fused call per projection.
 
 Shapes: ``x [T, in]``; the slot stacks ``a [P, S, r, in]`` (part ``p``'s shrink rows for
 each of the ``S`` slots) and ``bt [S, r, out]`` (part ``p`` writes only its own output
@@ -47,6 +48,22 @@ def lora_dense(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, mask: torch.T
     h = F.linear(x, a.reshape(-1, a.shape[3]))
     h = (h.view(-1, num_parts, num_slots, rank) * mask.view(-1, 1, num_slots, 1))
     return _expand(h.view(-1, num_parts, num_slots * rank), bt, parts, base)
+
+
+def kernel_rows(slots: torch.Tensor) -> torch.Tensor:
+    """Each row's slot index as :func:`lora_kernel` reads it, 0..S-1 (-1: no adapter);
+    built once per step and shared by every layer."""
+    return (slots.reshape(-1) - 1).contiguous()
+
+
+def lora_kernel(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, rows: torch.Tensor,
+                parts: tuple[int, ...], base: torch.Tensor) -> torch.Tensor:
+    """:func:`lora_dense`'s result, ``base`` (``[T, out]``, contiguous, a's dtype) updated
+    in place by ``torch.ops.hpu_serve.lora_add_`` (server/hpu/cpu/csrc/lora_kernels.cpp):
+    rows grouped by slot inside the kernel, each present slot's weights read once, slots
+    no row uses and rows of slot -1 skipped; ``rows`` from :func:`kernel_rows`."""
+    torch.ops.hpu_serve.lora_add_(base, x.contiguous(), a, bt, rows, list(parts))
+    return base
 
 
 def lora_gather(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor,

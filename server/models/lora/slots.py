@@ -4,8 +4,11 @@ padded to ``max_lora_rank``, so that a batch with any mix of adapters runs the s
 
 Per layer and site, ``A [P, S, R, in]`` and ``B^T [S, R, out]`` (each part's output columns
 from its own ``R`` shrink rows: ops.py); slot ``s`` (1..S) is index ``s - 1``, a row of slot
-0 (no adapter) is masked out. Loading an adapter copies its weights into a slot in place: no tensor is
-reallocated, so compiled or captured graphs keep reading the same storage.
+0 (no adapter) is masked out (the PyTorch op) or skipped (the fused CPU kernel: ``kernel``,
+where the layer ops are the fused CPU ones; ops.py's :func:`lora_dense` stays the
+reference and the path of every other backend). Loading an adapter copies its weights into
+a slot in place: no tensor is reallocated, so compiled or captured graphs keep reading the
+same storage.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 
 from server.models.config import ModelConfig
-from server.models.lora.ops import lora_dense, slot_mask
+from server.models.lora.ops import kernel_rows, lora_dense, lora_kernel, slot_mask
 from server.models.lora.peft import LoRAAdapter, LoRASite, SiteShape, site_layers, site_shapes
 
 
@@ -26,8 +29,10 @@ class LayerLoRA(nn.Module):
     output."""
 
     def __init__(self, sites: dict[LoRASite, SiteShape], num_slots: int, rank: int,
-                 dtype: torch.dtype, device: torch.device | None) -> None:
+                 dtype: torch.dtype, device: torch.device | None, kernel: bool = False
+                 ) -> None:
         super().__init__()
+        self.kernel = kernel
         for site, shape in sites.items():
             self.register_buffer(f"{site.value}_a", torch.zeros(
                 len(shape.parts), num_slots, rank, shape.inputs, dtype=dtype,
@@ -43,11 +48,19 @@ class LayerLoRA(nn.Module):
 
     def apply(self, site: LoRASite, x: torch.Tensor, y: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
-        """``y`` (the base projection of ``x``) plus each row's adapter delta."""
+        """``y`` (the base projection of ``x``) plus each row's adapter delta; ``mask``
+        from :meth:`LoRASlots.mask` (None: no row has an adapter)."""
         if mask is None or site not in self.sites:
             return y
         a, bt = self.stacks(site)
         x = x.reshape(-1, x.shape[-1]).to(a.dtype)
+        if self.kernel:  # in place: y is the projection's own fresh output
+            if y.dtype == a.dtype and y.is_contiguous():
+                return lora_kernel(x, a, bt, mask, self.parts[site],
+                                   y.view(-1, y.shape[-1])).view(y.shape)
+            delta = y.new_zeros(y.shape, dtype=a.dtype).view(-1, y.shape[-1])
+            lora_kernel(x, a, bt, mask, self.parts[site], delta)
+            return y + delta.to(y.dtype).view(y.shape)
         if y.dtype == a.dtype:  # the add rides in the expand GEMMs
             return lora_dense(x, a, bt, mask, self.parts[site],
                               y.reshape(-1, y.shape[-1])).view(y.shape)
@@ -77,8 +90,11 @@ class LoRASlots:
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device | None = None,
-                 shard: Callable[[LoRAAdapter], LoRAAdapter] | None = None) -> None:
+                 shard: Callable[[LoRAAdapter], LoRAAdapter] | None = None,
+                 kernel: bool = False) -> None:
         self.shard = shard
+        # the fused CPU op (torch.ops.hpu_serve.lora_add_) on fp32 / bf16 slots
+        self.kernel = kernel and dtype in (torch.float32, torch.bfloat16)
         self.num_slots = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
@@ -86,10 +102,14 @@ class LoRASlots:
         self.layers = [
             LayerLoRA({site: shape for site, shape in shapes.items()
                        if i in site_layers(cfg, site)},
-                      max_loras, max_rank, dtype, device)
+                      max_loras, max_rank, dtype, device, self.kernel)
             for i in range(cfg.num_layers)]
 
     def mask(self, slots: torch.Tensor) -> torch.Tensor:
+        """What every layer's op reads this step, from each row's slot (0: none): the
+        one-hot mask of the PyTorch op, or the kernel's slot index per row (-1: none)."""
+        if self.kernel:
+            return kernel_rows(slots)
         return slot_mask(slots, self.num_slots, self.dtype)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
