@@ -1,6 +1,11 @@
 """Decode speed as a fraction of this machine's own ceilings, all measured in one run.
 
-    python benchmarks/roofline.py [--model PATH] [--ctx 200] [--batch 32]
+    python benchmarks/roofline.py [--model PATH] [--ctx 200] [--batch 32] [--threads 1]
+
+On a machine shared with other jobs, ``--threads 1`` times steps by the CPU time of the one
+thread (the ceilings are best-of-10 runs on that thread): with more threads than idle cores
+each of a step's ~250 parallel regions waits for a descheduled thread, and wall time then
+measures the neighbours. Compare branches side by side, never across runs.
 
 - bf16 matmul ceiling: best GFLOP/s of a large square bf16 matmul (plain or oneDNN-packed).
 - memory bandwidth: best GB/s of a large tensor copy (bytes read), and of a large sum (reads
@@ -26,12 +31,13 @@ from server.hpu.cpu.linear import PackedLinear, SmallBatchInt4Linear, packing_su
 
 
 def best_time(fn, repeat: int) -> float:
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()
     best = float("inf")
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -77,7 +83,12 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=200, help="prompt tokens per sequence")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads; 1 also times steps by thread CPU time")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
 
     llm = LLM(args.model, max_num_seqs=args.batch, block_size=128,
               max_model_len=args.ctx + args.steps + 130)
@@ -94,8 +105,8 @@ def main() -> None:
     ceiling = matmul_ceiling_gflops()
     bandwidth = copy_bandwidth_gbs()
     read_bandwidth = read_bandwidth_gbs()
-    step_n = decode_step_ms(llm, args.batch, args.ctx, args.steps) / 1000
-    step_1 = decode_step_ms(llm, 1, args.ctx, args.steps) / 1000
+    step_n = decode_step_ms(llm, args.batch, args.ctx, args.steps, clock) / 1000
+    step_1 = decode_step_ms(llm, 1, args.ctx, args.steps, clock) / 1000
     achieved = args.batch * (2 * linear_params + attn_flops) / step_n / 1e9
     bytes_1 = batch1_weight_bytes(model, element) + kv_per_token
     floor_1 = bytes_1 / (bandwidth * 1e9)

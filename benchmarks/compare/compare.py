@@ -109,6 +109,49 @@ def hf_folder_from_gguf(folder: str, gguf_file: str, out: Path) -> Path:
     return out
 
 
+# Random-weight models at real sizes, with SmolLM2's tokenizer (its vocabulary): the
+# comparison's second and third shapes (issue 32, item 5). Weights do not change the cost of
+# a forward; matmul shapes, heads and windows do.
+RANDOM_MODELS = {
+    # Gemma 3 270M's sizes: 18 layers of hidden 640, 4 query heads / 1 KV head of 256,
+    # sliding windows of 512 on 5 of every 6 layers
+    "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=49152, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        max_position_embeddings=32768)),
+    # a ~1B Llama where the matmuls dominate: hidden 2048, 16 layers, 32 / 8 heads of 64
+    "llama-1b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500_000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True)),
+}
+
+
+def random_model_folder(name: str, out: Path) -> Path:
+    """A HF folder (bf16 safetensors, random weights, SmolLM2's tokenizer) that every
+    server loads as it is; written once."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    import transformers
+
+    from server.engine.tokenizer import Tokenizer
+
+    config_class, model_class, sizes = RANDOM_MODELS[name]
+    source = resolve_model_source(None)
+    tokenizer = Tokenizer.from_model_path(source.folder, gguf_file=source.gguf_file,
+                                          cache_dir=out / "tokenizer-cache")
+    config = getattr(transformers, config_class)(
+        **sizes, bos_token_id=tokenizer.hf.bos_token_id, eos_token_id=tokenizer.hf.eos_token_id)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.hf.save_pretrained(out)
+    return out
+
+
 def python_has(python: str, module: str) -> bool:
     if not python or not Path(python).exists():
         return False
@@ -156,8 +199,9 @@ def build_servers(args: argparse.Namespace, work: Path) -> list[Server]:
             ignore_eos=False, extra_body={"generation_config": json.dumps({
                 "do_sample": False, "min_new_tokens": args.output_len,
                 "max_new_tokens": args.output_len})}))
-    if "vllm" in args.peers and source.gguf_file and python_has(args.vllm_python, "vllm"):
-        folder = hf_folder_from_gguf(source.folder, source.gguf_file, work / "hf-model")
+    if "vllm" in args.peers and python_has(args.vllm_python, "vllm"):
+        folder = (hf_folder_from_gguf(source.folder, source.gguf_file, work / "hf-model")
+                  if source.gguf_file else Path(source.folder))  # a HF folder: as it is
         servers.append(vllm_server(args, folder))
     return servers
 
@@ -200,6 +244,10 @@ def bench_once(server: Server, requests, concurrency: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: embedded SmolLM2)")
+    parser.add_argument("--random-model", choices=sorted(RANDOM_MODELS), default=None,
+                        help="instead of --model: a random-weight HF folder at these sizes "
+                             "(written once under .bench-cache/), served by hpu-serve and "
+                             "vLLM alike")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts-per-concurrency", type=float, default=2.0,
@@ -235,6 +283,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hpu-serve-compare-"))
     cache = ROOT / ".bench-cache"
     cache.mkdir(exist_ok=True)
+    if args.random_model:
+        args.model = str(random_model_folder(args.random_model,
+                                             cache / f"random-{args.random_model}"))
     servers = build_servers(args, cache)
     print("servers:", ", ".join(s.name for s in servers), "| logs in", work, flush=True)
     tokenizer = load_tokenizer(args.model)

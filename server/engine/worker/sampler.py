@@ -221,20 +221,54 @@ def _counts(ids: torch.Tensor, batch: int, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
+# A full sort of every row (49k logits) costs ~3.6 ms a row on one core: 115 ms for 32
+# rows, longer than the whole batch-32 forward. top-k and top-p only need the head of each
+# row, so they look at the top PARTIAL_WIDTHS[i] entries first (torch.topk, ~0.2 ms a row
+# at 256) and sort in full only when some row's cut lies beyond them. Vocabularies
+# below MIN_PARTIAL_VOCAB sort in full (it is cheap there).
+PARTIAL_WIDTHS = (256, 2048)
+MIN_PARTIAL_VOCAB = 8192
+
+
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+    vocab = logits.shape[1]
+    cut = top_k < vocab  # rows without top-k keep everything
+    widest = int(top_k.masked_fill(~cut, 1).max()) if vocab >= MIN_PARTIAL_VOCAB else vocab
+    if widest <= PARTIAL_WIDTHS[-1]:
+        # the k-th largest value is the same whether the row is sorted in full or not
+        head = logits.topk(widest, dim=-1).values
+        kth = head.gather(1, (top_k.clamp(max=widest) - 1).clamp(min=0).unsqueeze(1))
+        kth = kth.masked_fill(~cut.unsqueeze(1), _NEG_INF)
+    else:
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
     return logits.masked_fill(logits < kth, _NEG_INF)
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[1]
+    # rows at top_p 1.0 in a mixed batch keep every token (a cumulative sum that rounds up
+    # to 1.0 early would otherwise cut their tail)
+    active = top_p < 1.0
+    if vocab >= MIN_PARTIAL_VOCAB:
+        # the head's probabilities over the whole row's normaliser: every token past the
+        # head is dropped when the head alone already covers top_p in every row
+        normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+        for width in PARTIAL_WIDTHS:
+            head, order = logits.topk(width, dim=-1)
+            probs = (head - normaliser).exp()
+            mass_before = probs.cumsum(dim=-1) - probs
+            if bool((mass_before[:, -1] >= top_p).logical_or(~active).all()):
+                drop_head = mass_before >= top_p.unsqueeze(1)
+                drop = torch.ones_like(logits, dtype=torch.bool).scatter(1, order, drop_head)
+                return logits.masked_fill(drop & active.unsqueeze(1), _NEG_INF)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the tokens before it already cover top_p; the first always stays.
     mass_before = probs.cumsum(dim=-1) - probs
     drop_sorted = mass_before >= top_p.unsqueeze(1)
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, _NEG_INF)
+    return logits.masked_fill(drop & active.unsqueeze(1), _NEG_INF)
 
 
 def inverse_cdf_sample(probs: torch.Tensor,

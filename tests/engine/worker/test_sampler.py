@@ -162,3 +162,40 @@ def test_top_k_beyond_the_vocabulary_keeps_every_token_in_a_mixed_batch() -> Non
         seen.add(out.token_ids[0].item())
         assert out.token_ids[1].item() in logits[1].topk(2).indices.tolist()
     assert len(seen) > 2
+
+
+def _sorted_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).unsqueeze(1))
+    return logits < kth
+
+
+def _sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    return torch.zeros_like(drop).scatter(1, order, drop)
+
+
+@pytest.mark.parametrize("peaked", [True, False])
+def test_large_vocabulary_top_k_top_p_cut_where_a_full_sort_does(peaked: bool) -> None:
+    """At a real vocabulary size top-k / top-p read the head of each row (topk) instead of
+    sorting it: the tokens they drop are the full sort's, whether the cut lies inside the
+    head (peaked rows, a model's usual case) or beyond it (flat rows: the full sort)."""
+    from server.engine.worker.sampler import MIN_PARTIAL_VOCAB, _apply_top_k, _apply_top_p
+
+    torch.manual_seed(0)
+    vocab = 4 * MIN_PARTIAL_VOCAB
+    logits = torch.randn(6, vocab) * 2
+    if peaked:
+        logits[:, :40] += torch.randn(6, 40) * 4 + 8
+    top_k = torch.tensor([1, 5, 50, 300, vocab, 2000])
+    top_p = torch.tensor([0.9, 0.5, 0.99, 0.1, 0.7, 0.95])
+    assert torch.equal(torch.isneginf(_apply_top_k(logits, top_k)),
+                       _sorted_top_k(logits, top_k))
+    assert torch.equal(torch.isneginf(_apply_top_p(logits, top_p)),
+                       _sorted_top_p(logits, top_p))
+    # a row at top_p 1.0 beside cut rows keeps every token
+    mixed = torch.tensor([0.9, 1.0, 0.9, 1.0, 0.5, 0.9])
+    kept = ~torch.isneginf(_apply_top_p(logits, mixed))
+    assert kept[1].all() and kept[3].all()
+    assert torch.equal(kept[0], ~_sorted_top_p(logits, mixed)[0])
