@@ -6,11 +6,14 @@ The sizes are the smallest real checkpoints' shapes cut down to what two shared 
 time in minutes (every family alike: a 6-layer tower 256 wide, a 6-layer text model 512 wide
 with 8 query and 4 KV heads of 64, about 64 tokens an image):
 
-| family | real (smallest) | here |
-|---|---|---|
-| llava | CLIP ViT-L/14 24 x 1024 at 336 px (576 tokens), Llama 32 x 4096 | CLIP 6 x 256 at 112 px in 14-px patches (64 tokens) |
-| qwen2_5_vl | ViT 32 x 1280, windows of 112 px, Qwen2.5 36 x 2048 (3B) | ViT 6 x 256, 14-px patches, 2 x 2 merge, windows of 112 px, full attention in blocks 2 and 5; at most 12,544 pixels an image (64 tokens; an aspect ratio keeps fewer) |
-| gemma3 | SigLIP 27 x 1152 at 896 px pooled to 256 tokens, Gemma 3 34 x 2560 (4B) | SigLIP 6 x 256 at 224 px pooled 2 x 2 to 64 tokens, Gemma 3 6 x 512 (5 sliding layers of 512 to 1 global) |
+- llava: CLIP 6 x 256 at 112 pixels in 14-pixel patches (64 tokens), Llama 6 x 512
+  (LLaVA 1.5 7B: CLIP ViT-L/14 24 x 1024 at 336 pixels, 576 tokens; Llama 32 x 4096);
+- qwen2_5_vl: ViT 6 x 256, 14-pixel patches merged 2 x 2, windows of 112 pixels, full
+  attention in blocks 2 and 5, at most 12,544 pixels an image (64 tokens; an aspect ratio
+  keeps fewer); Qwen2 6 x 512 with M-RoPE (3B: ViT 32 x 1280, Qwen2.5 36 x 2048);
+- gemma3: SigLIP 6 x 256 at 224 pixels, 256 patches pooled 2 x 2 to 64 tokens; Gemma 3
+  6 x 512, five sliding layers (window 512) to one global (4B: SigLIP 27 x 1152 at 896
+  pixels pooled to 256 tokens, Gemma 3 34 x 2560).
 """
 
 from __future__ import annotations
