@@ -17,6 +17,7 @@ ratios. The comparison with vLLM's CPU backend, both served over HTTP, is
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import tempfile
@@ -70,6 +71,11 @@ def make_texts(count: int, tokens: int, seed: int) -> list[str]:
             for _ in range(count)]
 
 
+def _load() -> str:
+    """The host's 1-minute load average: how much the neighbours took while measuring."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
 def timed(fn, repeat: int = 1) -> float:
     start = time.perf_counter()
     for _ in range(repeat):
@@ -83,7 +89,7 @@ def latency(fn, repeat: int) -> float:
 
 
 def compare(folder: str, dtype_name: str, texts: list[str], short: list[str],
-            args: argparse.Namespace) -> None:
+            args: argparse.Namespace) -> dict[str, float]:
     """Both sides on one dtype: throughput rounds in alternating order, then latency."""
     from sentence_transformers import SentenceTransformer
 
@@ -113,12 +119,16 @@ def compare(folder: str, dtype_name: str, texts: list[str], short: list[str],
     lat_st = latency(lambda: st.encode(short), args.latency_repeat)
     # best round of each: on a shared host the slowest rounds measure the neighbours
     best = {k: max(v) for k, v in rates.items()}
+    med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"{dtype_name}: throughput (best round) hpu-serve {best['hpu-serve']:.1f} texts/s, "
           f"sentence-transformers {best['sentence-transformers']:.1f} texts/s, "
-          f"ratio {best['hpu-serve'] / best['sentence-transformers']:.2f}x; "
+          f"ratio {best['hpu-serve'] / best['sentence-transformers']:.2f}x (medians "
+          f"{med['hpu-serve']:.1f} / {med['sentence-transformers']:.1f}: "
+          f"{med['hpu-serve'] / med['sentence-transformers']:.2f}x); "
           f"latency (32 tokens, median) hpu-serve {lat_ours * 1e3:.1f} ms, "
           f"sentence-transformers {lat_st * 1e3:.1f} ms, ratio {lat_st / lat_ours:.2f}x; "
-          f"min cosine {cosine:.5f}", flush=True)
+          f"min cosine {cosine:.5f}; load average {_load()}", flush=True)
+    return best
 
 
 def main() -> None:
@@ -141,10 +151,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; BERT-{args.size} "
           f"random weights; {args.texts} texts x {args.text_len} tokens, batches of "
           f"{args.batch_size}; latency: one 32-token text")
+    print(f"load average at start {_load()}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(build_folder(Path(tmp), args.size))
-        for dtype_name in args.dtypes:
-            compare(folder, dtype_name, texts, short, args)
+        best = {d: compare(folder, d, texts, short, args) for d in args.dtypes}
+    if "bfloat16" in best and "float32" in best:  # sentence-transformers' default is fp32
+        print(f"hpu-serve bfloat16 / sentence-transformers float32 (its default dtype): "
+              f"{best['bfloat16']['hpu-serve'] / best['float32']['sentence-transformers']:.2f}x")
     print("vLLM CPU: see benchmarks/compare/embeddings_serving.py")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -159,14 +160,15 @@ def main() -> None:
                         latency(client, server, short, args.latency_repeat))
                 print(f"round {r + 1} ({' then '.join(s.name for s in order)}): " + ", ".join(
                     f"{n} {rates[n][-1]:.2f} texts/s, {lat[n][-1] * 1e3:.1f} ms"
-                    for n in rates), flush=True)
+                    for n in rates) + f"; load average {os.getloadavg()[0]:.1f}", flush=True)
         finally:
             for server in found:
                 server.stop()
     med = {n: (statistics.median(rates[n]), statistics.median(lat[n])) for n in rates}
-    print(f"\nmedians over {args.rounds} rounds:")
+    print(f"\nmedians over {args.rounds} rounds (best round in brackets):")
     for name, (rate, seconds) in med.items():
-        print(f"  {name:<24} {rate:7.2f} texts/s  latency {seconds * 1e3:7.1f} ms")
+        print(f"  {name:<24} {rate:7.2f} texts/s ({max(rates[name]):.2f})  latency "
+              f"{seconds * 1e3:7.1f} ms ({min(lat[name]) * 1e3:.1f})")
     their_rate, their_lat = med["vllm"]
     for name, (rate, seconds) in med.items():
         if name != "vllm":
