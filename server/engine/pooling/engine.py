@@ -135,11 +135,13 @@ class PoolingEngine:
         if isinstance(model, ModernBertEncoder):
             model.pack_for_cpu()  # local attention windows: PyTorch's masked attention
             return
+        assert isinstance(model, BertEncoder), type(model)
         kernel = config.device.cpu_kernels and load_cpu_kernels(
             writable_cache_dir(config.cache_dir) / "kernels")
         model.pack_for_cpu(attention_kernel=kernel)
-        logger.info("Encoder attention: %s", "fused CPU kernel" if model.layers[0].attention
-                    .self.kernel else "PyTorch scaled_dot_product_attention")
+        used = model.encoder.layer[0].attention.self.kernel  # supported dtype and head size
+        logger.info("Encoder attention: %s", "fused CPU kernel" if used
+                    else "PyTorch scaled_dot_product_attention")
 
     # -- requests ---------------------------------------------------------------------------
 
