@@ -10,13 +10,15 @@ sentence-transformers folder (Transformer -> mean Pooling -> Normalize). Both si
 same texts of exactly ``--text-len`` tokens, in batches of ``--batch-size``, tokenizing
 included; then the latency of one 32-token text (median of 20). Rounds alternate the order
 (A/B, then B/A) so neither side always runs on a warmer cache. Prints each round and the
-ratios. The comparison with vLLM's CPU backend, both served over HTTP, is
+ratios, by wall clock and per CPU-second of the process (robust to a loaded host). The
+comparison with vLLM's CPU backend, both served over HTTP, is
 ``benchmarks/compare/embeddings_serving.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import tempfile
@@ -70,6 +72,11 @@ def make_texts(count: int, tokens: int, seed: int) -> list[str]:
             for _ in range(count)]
 
 
+def _load() -> str:
+    """The host's 1-minute load average: how much the neighbours took while measuring."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
 def timed(fn, repeat: int = 1) -> float:
     start = time.perf_counter()
     for _ in range(repeat):
@@ -83,7 +90,7 @@ def latency(fn, repeat: int) -> float:
 
 
 def compare(folder: str, dtype_name: str, texts: list[str], short: list[str],
-            args: argparse.Namespace) -> None:
+            args: argparse.Namespace) -> dict[str, float]:
     """Both sides on one dtype: throughput rounds in alternating order, then latency."""
     from sentence_transformers import SentenceTransformer
 
@@ -101,24 +108,38 @@ def compare(folder: str, dtype_name: str, texts: list[str], short: list[str],
     sides = {"hpu-serve": lambda: llm.embed(texts),
              "sentence-transformers": lambda: st.encode(texts, batch_size=args.batch_size)}
     rates: dict[str, list[float]] = {k: [] for k in sides}
+    # texts per CPU-second of this process (both sides run in it, one after the other): on
+    # a host loaded by other jobs, wall-clock rounds also measure the share of the cores
+    per_cpu: dict[str, list[float]] = {k: [] for k in sides}
     for fn in sides.values():
         fn()  # first calls: allocator and oneDNN primitive caches
     for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in order:
+            cpu = time.process_time()
             rates[name].append(len(texts) / timed(sides[name]))
+            per_cpu[name].append(len(texts) / (time.process_time() - cpu))
         print(f"  {dtype_name} round {r + 1} ({' then '.join(order)}): "
-              + ", ".join(f"{k} {rates[k][-1]:.1f} texts/s" for k in sides))
+              + ", ".join(f"{k} {rates[k][-1]:.1f} texts/s ({per_cpu[k][-1]:.2f} per CPU-s)"
+                          for k in sides))
     lat_ours = latency(lambda: llm.embed(short), args.latency_repeat)
     lat_st = latency(lambda: st.encode(short), args.latency_repeat)
     # best round of each: on a shared host the slowest rounds measure the neighbours
     best = {k: max(v) for k, v in rates.items()}
+    med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"{dtype_name}: throughput (best round) hpu-serve {best['hpu-serve']:.1f} texts/s, "
           f"sentence-transformers {best['sentence-transformers']:.1f} texts/s, "
-          f"ratio {best['hpu-serve'] / best['sentence-transformers']:.2f}x; "
+          f"ratio {best['hpu-serve'] / best['sentence-transformers']:.2f}x (medians "
+          f"{med['hpu-serve']:.1f} / {med['sentence-transformers']:.1f}: "
+          f"{med['hpu-serve'] / med['sentence-transformers']:.2f}x); "
           f"latency (32 tokens, median) hpu-serve {lat_ours * 1e3:.1f} ms, "
           f"sentence-transformers {lat_st * 1e3:.1f} ms, ratio {lat_st / lat_ours:.2f}x; "
-          f"min cosine {cosine:.5f}", flush=True)
+          f"min cosine {cosine:.5f}; load average {_load()}", flush=True)
+    cpu_med = {k: statistics.median(v) for k, v in per_cpu.items()}
+    print(f"{dtype_name}: texts per CPU-second (median) hpu-serve {cpu_med['hpu-serve']:.2f}, "
+          f"sentence-transformers {cpu_med['sentence-transformers']:.2f}, ratio "
+          f"{cpu_med['hpu-serve'] / cpu_med['sentence-transformers']:.2f}x", flush=True)
+    return {**best, **{f"{k} per CPU-s": v for k, v in cpu_med.items()}}
 
 
 def main() -> None:
@@ -141,10 +162,16 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; BERT-{args.size} "
           f"random weights; {args.texts} texts x {args.text_len} tokens, batches of "
           f"{args.batch_size}; latency: one 32-token text")
+    print(f"load average at start {_load()}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(build_folder(Path(tmp), args.size))
-        for dtype_name in args.dtypes:
-            compare(folder, dtype_name, texts, short, args)
+        best = {d: compare(folder, d, texts, short, args) for d in args.dtypes}
+    if "bfloat16" in best and "float32" in best:  # sentence-transformers' default is fp32
+        ours, theirs = best["bfloat16"], best["float32"]
+        cpu_ratio = ours["hpu-serve per CPU-s"] / theirs["sentence-transformers per CPU-s"]
+        print(f"hpu-serve bfloat16 / sentence-transformers float32 (its default dtype): "
+              f"{ours['hpu-serve'] / theirs['sentence-transformers']:.2f}x (best rounds), per "
+              f"CPU-second {cpu_ratio:.2f}x")
     print("vLLM CPU: see benchmarks/compare/embeddings_serving.py")
 
 

@@ -14,6 +14,9 @@ configuration. All are up at once, idle while another is measured.
   as requests of ``--batch-size`` texts, one request in flight; texts/s per round. Rounds
   alternate the order (A/B, then B/A) so a noisy host's drift falls on both.
 * Latency: one 32-token text per request, median over ``--latency-repeat`` requests.
+* Texts per CPU-second: the throughput texts over the CPU time the server's processes used
+  meanwhile (all of vLLM's processes); on a host loaded by other jobs the wall-clock rates
+  measure each server's share of the cores as much as its work, this does not.
 
 Before timing, the two servers' vectors for the same texts are compared (min cosine), so a
 mismatch in what is served shows. Prints per-round lines, then medians and ratios (the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -79,11 +83,33 @@ def embed_usage(client: httpx.Client, server: Server, texts: list[str]
     return [row["embedding"] for row in body["data"]], body["usage"]["prompt_tokens"]
 
 
-def throughput(client: httpx.Client, server: Server, texts: list[str], batch: int) -> float:
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds used so far by the live processes of a process group (a server and the
+    processes it started: vLLM's API server, engine core and workers), from /proc (Linux;
+    0 elsewhere). On a host loaded by other jobs, texts per CPU-second compares the two
+    servers' work without counting how much of the cores each was given."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # pgrp, after state and ppid
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(client: httpx.Client, server: Server, texts: list[str], batch: int
+               ) -> tuple[float, float]:
+    """(texts per second, texts per CPU-second of the server's processes)."""
+    assert server.proc is not None
+    cpu = group_cpu_seconds(server.proc.pid)
     began = time.perf_counter()
     for i in range(0, len(texts), batch):
         embed(client, server, texts[i:i + batch])
-    return len(texts) / (time.perf_counter() - began)
+    seconds = time.perf_counter() - began
+    used = group_cpu_seconds(server.proc.pid) - cpu
+    return len(texts) / seconds, len(texts) / used if used > 0 else float("nan")
 
 
 def latency(client: httpx.Client, server: Server, text: str, repeat: int) -> float:
@@ -135,6 +161,7 @@ def main() -> None:
           f"text, median of {args.latency_repeat}", flush=True)
     found = servers(args, folder)
     rates: dict[str, list[float]] = {s.name: [] for s in found}
+    per_cpu: dict[str, list[float]] = {s.name: [] for s in found}
     lat: dict[str, list[float]] = {s.name: [] for s in found}
     logs = tempfile.mkdtemp(prefix="hpu-serve-compare-")
     print(f"server logs in {logs}", flush=True)
@@ -153,28 +180,36 @@ def main() -> None:
             for r in range(args.rounds):
                 order = found if r % 2 == 0 else found[::-1]
                 for server in order:
-                    rates[server.name].append(
-                        throughput(client, server, texts, args.batch_size))
+                    rate, cpu_rate = throughput(client, server, texts, args.batch_size)
+                    rates[server.name].append(rate)
+                    per_cpu[server.name].append(cpu_rate)
                     lat[server.name].append(
                         latency(client, server, short, args.latency_repeat))
                 print(f"round {r + 1} ({' then '.join(s.name for s in order)}): " + ", ".join(
-                    f"{n} {rates[n][-1]:.2f} texts/s, {lat[n][-1] * 1e3:.1f} ms"
-                    for n in rates), flush=True)
+                    f"{n} {rates[n][-1]:.2f} texts/s ({per_cpu[n][-1]:.2f} per CPU-s), "
+                    f"{lat[n][-1] * 1e3:.1f} ms"
+                    for n in rates) + f"; load average {os.getloadavg()[0]:.1f}", flush=True)
         finally:
             for server in found:
                 server.stop()
     med = {n: (statistics.median(rates[n]), statistics.median(lat[n])) for n in rates}
-    print(f"\nmedians over {args.rounds} rounds:")
+    print(f"\nmedians over {args.rounds} rounds (best round in brackets):")
     for name, (rate, seconds) in med.items():
-        print(f"  {name:<24} {rate:7.2f} texts/s  latency {seconds * 1e3:7.1f} ms")
+        print(f"  {name:<24} {rate:7.2f} texts/s ({max(rates[name]):.2f})  "
+              f"{statistics.median(per_cpu[name]):6.2f} texts per CPU-second  latency "
+              f"{seconds * 1e3:7.1f} ms ({min(lat[name]) * 1e3:.1f})")
     their_rate, their_lat = med["vllm"]
     for name, (rate, seconds) in med.items():
         if name != "vllm":
+            cpu_ratio = (statistics.median(per_cpu[name])
+                         / statistics.median(per_cpu["vllm"]))
             print(f"  {name} / vllm: throughput {rate / their_rate:.2f}x (target >= 1.5x), "
-                  f"latency {seconds / their_lat:.2f} (target <= 1)")
+                  f"per CPU-second {cpu_ratio:.2f}x, latency {seconds / their_lat:.2f} "
+                  "(target <= 1)")
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(
-            {"args": vars(args), "texts_per_s": rates, "latency_s": lat,
+            {"args": vars(args), "texts_per_s": rates, "texts_per_cpu_s": per_cpu,
+             "latency_s": lat,
              "ready_s": {s.name: s.ready_s for s in found}}, indent=2))
 
 

@@ -26,6 +26,7 @@ from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
 from server.engine.tokenizer import Tokenizer
 from server.hpu.buckets.pooling import pooling_buckets
 from server.hpu.counters import DeviceCounters
+from server.hpu.cpu.kernels import load_cpu_kernels
 from server.hpu.platform import detect_platform
 from server.models.encoders.bert import BertEncoder
 from server.models.encoders.load import load_pooling_model
@@ -99,7 +100,7 @@ class PoolingEngine:
         if (mode is ExecutionMode.EAGER and platform.device.type == "cpu"
                 and isinstance(self.loaded.model, (BertEncoder, ModernBertEncoder))):
             # inductor packs weights itself when it freezes a graph: only eager needs this
-            self.loaded.model.pack_for_cpu()
+            self._pack_for_cpu(config)
         self.counters = DeviceCounters(self.model_name)
         buckets = pooling_buckets(self.limits.max_model_len, self.limits.max_num_seqs,
                                   self.limits.max_num_batched_tokens)
@@ -126,6 +127,21 @@ class PoolingEngine:
 
     def warmup(self) -> float:
         return self.runner.warmup()
+
+    def _pack_for_cpu(self, config: EngineConfig) -> None:
+        """Eager CPU: packed linears, and for BERT-family encoders the fused attention kernel
+        unless ``HPU_SERVE_CPU_KERNELS=0`` or it cannot be built (PyTorch's attention then)."""
+        model = self.loaded.model
+        if isinstance(model, ModernBertEncoder):
+            model.pack_for_cpu()  # local attention windows: PyTorch's masked attention
+            return
+        assert isinstance(model, BertEncoder), type(model)
+        kernel = config.device.cpu_kernels and load_cpu_kernels(
+            writable_cache_dir(config.cache_dir) / "kernels")
+        model.pack_for_cpu(attention_kernel=kernel)
+        used = model.encoder.layer[0].attention.self.kernel  # supported dtype and head size
+        logger.info("Encoder attention: %s", "fused CPU kernel" if used
+                    else "PyTorch scaled_dot_product_attention")
 
     # -- requests ---------------------------------------------------------------------------
 
