@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "layer_kernels.cpp", CSRC / "paged_attention.cpp",
            CSRC / "paged_attention_fp8.cpp", CSRC / "lora_kernels.cpp",
-           CSRC / "encoder_attention.cpp")
+           CSRC / "encoder_attention.cpp", CSRC / "prefill_attention.cpp")
 HEADERS = (CSRC / "kernel_utils.h", CSRC / "paged_attention.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-DNDEBUG", "-std=c++17", "-fPIC")
@@ -89,11 +89,20 @@ def _register_fakes() -> None:
     traces them as opaque calls (the LoRA op: it writes ``y`` in place, returns nothing)."""
     if hasattr(torch.ops.hpu_serve, "lora_add_"):
         torch.library.register_fake("hpu_serve::lora_add_")(_lora_add_fake)
+    if hasattr(torch.ops.hpu_serve, "prefill_attention"):
+        torch.library.register_fake("hpu_serve::prefill_attention")(_prefill_attention_fake)
 
 
 def _lora_add_fake(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                    slot: torch.Tensor, parts: list[int]) -> None:
     del y, x, a, bt, slot, parts
+
+
+def _prefill_attention_fake(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            min_run: int = 16) -> torch.Tensor:
+    del k_cache, v_cache, block_tables, seq_lens, scale, min_run
+    return query.new_empty(query.shape)
 
 
 def load_cpu_kernels(cache_dir: str | Path) -> bool:

@@ -56,6 +56,7 @@ class FusedCpuLayerOps(TorchLayerOps):
         self._gelu_tanh_and_mul = ops.gelu_tanh_and_mul.default
         self._rotary = ops.rotary_write_kv.default
         self._attention = ops.decode_attention.default
+        self._prefill_attention = ops.prefill_attention.default
         self._argmax = ops.argmax.default
 
     @staticmethod
@@ -118,8 +119,24 @@ class FusedCpuLayerOps(TorchLayerOps):
                                          and not meta.has_context and not meta.packed):
             return super().prompt_attention(query, key, value, kv_cache, meta, bs, scale,
                                             softcap, window, chunk, sinks=sinks)
+        if self._tiled(query, kv_cache, softcap, window, chunk, sinks):
+            assert meta.block_tables is not None and meta.seq_lens is not None
+            return self._prefill_attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
+                                           meta.seq_lens, scale, self.prefill_min_run)
         return self.decode_attention(query, kv_cache, meta, scale, softcap, window, chunk,
                                      sinks=sinks)
+
+    # Runs of at least this many consecutive tokens of one sequence take the tiled prefill
+    # kernel (csrc/prefill_attention.cpp); shorter ones, decodes among them, the paged one.
+    prefill_min_run = 16
+
+    def _tiled(self, query: torch.Tensor, kv_cache: KVCache, softcap: float | None,
+               window: int | None, chunk: int | None, sinks: torch.Tensor | None) -> bool:
+        """The plain case the tiled kernel serves: no window, chunk, cap or sinks, the cache in
+        the model's dtype, heads of a multiple of 64, blocks of a multiple of 16."""
+        return (not softcap and window is None and chunk is None and sinks is None
+                and kv_cache[0].dtype == query.dtype and query.shape[-1] % 64 == 0
+                and kv_cache[1].shape[2] % 16 == 0 and query.shape[0] >= self.prefill_min_run)
 
     def decode_attention(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                          scale: float, softcap: float | None = None, window: int | None = None,
