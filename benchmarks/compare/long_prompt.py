@@ -1,7 +1,7 @@
 """One long prompt against hpu-serve and vLLM's CPU backend: time to first token and peak RSS.
 
     PYTHONPATH=. .venv/bin/python benchmarks/compare/long_prompt.py [--prompt-len 8000]
-        [--hpu-serve-config LABEL=FLAGS ...] [--no-vllm]
+        [--hpu-serve-config LABEL=FLAGS ...] [--baseline-tree DIR] [--no-vllm]
 
 Each server is started alone (nothing else runs while it is measured) with a context long
 enough for the prompt, warmed with one short request, then sent one streamed completion of
@@ -9,6 +9,8 @@ enough for the prompt, warmed with one short request, then sent one streamed com
 TTFT, the resident memory of the server's whole process tree before the request (after
 warmup) and its peak while the prompt is computed (sampled every 50 ms), and the
 difference: what the long prompt costs in memory (activations, KV, scratch).
+``--baseline-tree DIR`` adds hpu-serve run from another checkout (e.g. ``git archive main |
+tar -x -C DIR``), started from that folder with this interpreter: a before/after in one run.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hpu-serve-config", action="append", default=[],
                         metavar="LABEL=FLAGS", help="another hpu-serve server with FLAGS")
+    parser.add_argument("--baseline-tree", default=None, metavar="DIR",
+                        help="also run hpu-serve from this checkout (A/B against another commit)")
     parser.add_argument("--no-vllm", dest="vllm", action="store_false")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4)
@@ -111,6 +115,12 @@ def main() -> None:
     servers = [Server(name, [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1",
                              "--port", str(port := free_port()), "--max-model-len",
                              str(context), *flags], port) for name, flags in configs]
+    if args.baseline_tree:  # `python -m server` imports from the current folder: start there
+        port = free_port()
+        servers.insert(0, Server("hpu-serve[baseline]", [
+            "bash", "-c", 'cd "$0" && exec "$@"', args.baseline_tree, sys.executable, "-m",
+            "server", "serve", "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+            str(context)], port, env={"PYTHONPATH": args.baseline_tree}))
     log_dir = Path(tempfile.mkdtemp(prefix="hpu-serve-long-prompt-"))
     if args.vllm and python_has(args.vllm_python, "vllm"):
         source = resolve_model_source(None)
