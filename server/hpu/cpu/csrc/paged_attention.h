@@ -1,9 +1,10 @@
 // Paged attention for CPU (torch.ops.hpu_serve.decode_attention): one query token per row
 // against its sequence's cached keys/values, read in place from their blocks (the PyTorch
-// path gathers the blocks into a copy first). Prefill uses it too, one row per prompt token
-// with causal per-row lengths; consecutive rows of one sequence then run four at a time, so
-// each key/value read serves four tokens (an 8,000-token prompt in 512-token chunks: 28.0 s
-// -> 20.9 s end to end on SmolLM2, 2 cores).
+// path gathers the blocks into a copy first). Prefill chunks of the plain case (no window,
+// chunk, cap or sinks, the model's dtype in the cache) go to the tiled kernel of
+// prefill_attention.cpp; every other prefill uses this one, one row per prompt token with
+// causal per-row lengths, consecutive rows of one sequence four at a time, so each
+// key/value read serves four tokens.
 //
 // Keys are stored transposed within each block, [blocks, kv_heads, head_dim, block_size], so
 // 16 tokens' scores come from one vector multiply-add per head dim, without horizontal sums;
