@@ -51,10 +51,12 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> P
     return PackedInt4(weight.contiguous(), group, n)
 
 
-def int4_linear(x: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
-    """``x @ W^T`` over the last dim of a contiguous bfloat16 ``x``, in bfloat16."""
+def int4_linear(x: torch.Tensor, weight: PackedInt4,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W^T`` over the last dim of a contiguous bfloat16 ``x``, in bfloat16 (or the fp32
+    accumulators, ``out_dtype=torch.float32``)."""
     return torch.ops.hpu_serve.int4_linear(x, weight.weight, weight.group_size,
-                                           weight.out_features)
+                                           weight.out_features, out_dtype)
 
 
 def int4_kernel_available() -> bool:

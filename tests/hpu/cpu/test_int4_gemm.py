@@ -121,25 +121,32 @@ def test_gguf_blocks_as_the_loader_splits_them(type_name: str, rows: int) -> Non
                              int4_linear(x, packed))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_zero", [True, False], ids=["zero", "no-zero"])
-def test_a_rows_bits_do_not_depend_on_the_row_count(with_zero: bool) -> None:
+def test_a_rows_bits_do_not_depend_on_the_row_count(with_zero: bool,
+                                                    out_dtype: torch.dtype) -> None:
+    """Checked on the fp32 accumulators too: rounding to bf16 hides most fp32 differences
+    (an order of summation that changed with the row count would pass in bf16 alone)."""
     codes, scale, zero = random_weight(200, 576, 32, with_zero, seed=3)
     packed = pack_int4(codes, scale, zero)
     x = torch.randn(17, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
-    alone = torch.cat([int4_linear(x[i:i + 1], packed) for i in range(17)])
+    alone = torch.cat([int4_linear(x[i:i + 1], packed, out_dtype) for i in range(17)])
+    assert alone.dtype == out_dtype
     for rows in range(1, 18):
-        assert torch.equal(int4_linear(x[:rows], packed), alone[:rows]), rows
+        assert torch.equal(int4_linear(x[:rows], packed, out_dtype), alone[:rows]), rows
     # the other rows' values do not leak in either
     other = x.clone()
     other[1:] = torch.randn(16, 576).bfloat16() * 100
-    assert torch.equal(int4_linear(other, packed)[0], alone[0])
+    assert torch.equal(int4_linear(other, packed, out_dtype)[0], alone[0])
     # nor does the thread count
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(int4_linear(x, packed), alone)
+        assert torch.equal(int4_linear(x, packed, out_dtype), alone)
     finally:
         torch.set_num_threads(threads)
+    if out_dtype == torch.float32:  # the bf16 output is these accumulators, rounded once
+        assert torch.equal(int4_linear(x, packed), alone.bfloat16())
 
 
 def test_shapes_and_bad_input() -> None:
@@ -150,6 +157,8 @@ def test_shapes_and_bad_input() -> None:
     assert int4_linear(x[:0], packed).shape == (0, 3, 24)
     with pytest.raises(RuntimeError, match="bfloat16"):
         int4_linear(x.float(), packed)
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        int4_linear(x, packed, torch.float16)
     with pytest.raises(RuntimeError, match="group_size"):
         torch.ops.hpu_serve.int4_linear(x, packed.weight, 6, 24)
     with pytest.raises(RuntimeError, match="out_features"):
@@ -165,6 +174,9 @@ def test_traces_as_one_opaque_op() -> None:
     x = torch.randn(3, 64).bfloat16()
     meta = torch.ops.hpu_serve.int4_linear(x.to("meta"), packed.weight.to("meta"), 32, 24)
     assert meta.device.type == "meta" and meta.shape == (3, 24) and meta.dtype == x.dtype
+    meta = torch.ops.hpu_serve.int4_linear(x.to("meta"), packed.weight.to("meta"), 32, 24,
+                                           torch.float32)
+    assert meta.dtype == torch.float32
     graph = torch.fx.experimental.proxy_tensor.make_fx(
         lambda t, w: torch.ops.hpu_serve.int4_linear(t, w, 32, 24), tracing_mode="fake")(
             x, packed.weight)

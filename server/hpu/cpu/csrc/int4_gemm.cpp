@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "kernel_utils.h"
@@ -115,8 +116,8 @@ struct Problem {
 
 // Rows [row0, row0 + M) against output tile t: one pass over the tile's blocks, each code
 // decoded once for the M rows.
-template <int M>
-void tile_rows(const Problem& p, int64_t row0, int64_t t, BFloat16* out) {
+template <int M, typename O>
+void tile_rows(const Problem& p, int64_t row0, int64_t t, O* out) {
   f32x16 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = f32x16{};
   const int64_t quads = p.group / 4;
@@ -147,35 +148,37 @@ void tile_rows(const Problem& p, int64_t row0, int64_t t, BFloat16* out) {
   }
   const int64_t col = t * kTile;
   for (int m = 0; m < M; ++m) {
-    BFloat16* row = out + (row0 + m) * p.n;
+    O* row = out + (row0 + m) * p.n;
     for (int64_t l = 0; l < kTile && col + l < p.n; ++l) store(row, col + l, acc[m][l]);
   }
 }
 
 // Tiles [begin, end) one at a time: a tile's blocks are one sequential stream (measured
 // faster than interleaving 2 or 4 tiles' accumulator chains, from 1 row on).
-template <int M>
-void rows_pass(const Problem& p, int64_t row0, int64_t begin, int64_t end, BFloat16* out) {
+template <int M, typename O>
+void rows_pass(const Problem& p, int64_t row0, int64_t begin, int64_t end, O* out) {
   for (int64_t t = begin; t < end; ++t) tile_rows<M>(p, row0, t, out);
 }
 
+template <typename O>
 void rows_dispatch(const Problem& p, int64_t row0, int64_t rows, int64_t begin, int64_t end,
-                   BFloat16* out) {
+                   O* out) {
   switch (rows) {
-    case 1: return rows_pass<1>(p, row0, begin, end, out);
-    case 2: return rows_pass<2>(p, row0, begin, end, out);
-    case 3: return rows_pass<3>(p, row0, begin, end, out);
-    case 4: return rows_pass<4>(p, row0, begin, end, out);
-    case 5: return rows_pass<5>(p, row0, begin, end, out);
-    case 6: return rows_pass<6>(p, row0, begin, end, out);
-    case 7: return rows_pass<7>(p, row0, begin, end, out);
-    default: return rows_pass<8>(p, row0, begin, end, out);
+    case 1: return rows_pass<1, O>(p, row0, begin, end, out);
+    case 2: return rows_pass<2, O>(p, row0, begin, end, out);
+    case 3: return rows_pass<3, O>(p, row0, begin, end, out);
+    case 4: return rows_pass<4, O>(p, row0, begin, end, out);
+    case 5: return rows_pass<5, O>(p, row0, begin, end, out);
+    case 6: return rows_pass<6, O>(p, row0, begin, end, out);
+    case 7: return rows_pass<7, O>(p, row0, begin, end, out);
+    default: return rows_pass<8, O>(p, row0, begin, end, out);
   }
 }
 
 // Bytes of one (tile, group) block: the codes, then Z vectors of 16 floats.
 int64_t block_bytes(int64_t group, int64_t z) { return group / 4 * 2 * kTile + z * kTile * 4; }
 
+template <typename O>
 void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t group, int64_t z,
                       at::Tensor& out) {
   const int64_t k = x.size(-1);
@@ -195,7 +198,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t gro
   const Problem p{reinterpret_cast<const uint32_t*>(xp), xsum.data(),
                   weight.data_ptr<uint8_t>(), k, group, groups, z, block_bytes(group, z),
                   out.size(-1)};
-  BFloat16* op = out.data_ptr<BFloat16>();
+  O* op = out.data_ptr<O>();
   at::parallel_for(0, weight.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < rows; r += kMaxRows) {
       rows_dispatch(p, r, std::min(kMaxRows, rows - r), begin, end, op);
@@ -229,28 +232,41 @@ std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
   return shape;
 }
 
+// out_dtype float32 returns the fp32 accumulators unrounded (tests: a row's bits can then be
+// compared before bf16 rounding hides most differences).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, int64_t group_size,
-                       int64_t out_features) {
+                       int64_t out_features, std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be a contiguous bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dim");
   const int64_t z = check_packed(x, weight, group_size, out_features);
-  at::Tensor out = at::empty(out_shape(x, out_features), x.options());
-  if (x.numel() > 0) int4_linear_impl(x, weight, group_size, z, out);
+  const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+              "out_dtype must be bfloat16 or float32");
+  at::Tensor out = at::empty(out_shape(x, out_features), x.options().dtype(dtype));
+  if (x.numel() == 0) return out;
+  if (dtype == at::kFloat) {
+    int4_linear_impl<float>(x, weight, group_size, z, out);
+  } else {
+    int4_linear_impl<BFloat16>(x, weight, group_size, z, out);
+  }
   return out;
 }
 
 // Shapes only (fake tensors, torch.compile tracing): the op stays one opaque call.
 at::Tensor int4_linear_meta(const at::Tensor& x, const at::Tensor& weight, int64_t group_size,
-                            int64_t out_features) {
-  return at::empty(out_shape(x, out_features), x.options());
+                            int64_t out_features, std::optional<at::ScalarType> out_dtype) {
+  return at::empty(out_shape(x, out_features),
+                   x.options().dtype(out_dtype.value_or(at::kBFloat16)));
 }
 
 }  // namespace
 }  // namespace hpu_serve
 
 TORCH_LIBRARY_FRAGMENT(hpu_serve, m) {
-  m.def("int4_linear(Tensor x, Tensor weight, int group_size, int out_features) -> Tensor");
+  m.def(
+      "int4_linear(Tensor x, Tensor weight, int group_size, int out_features, "
+      "ScalarType? out_dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hpu_serve, CPU, m) { m.impl("int4_linear", &hpu_serve::int4_linear); }
