@@ -24,12 +24,14 @@ machine's load falls on both sides:
   Target: >= 0.95x.
 
 Prints output tok/s of each side, their ratio, the acceptance rate (accepted / drafted
-tokens) and whether the greedy texts are identical (they must be).
+tokens), whether the greedy texts are identical (they must be) and the host's 1-minute
+load average (other processes on a shared host slow both sides, not always equally).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -122,7 +124,8 @@ def compare(name: str, plain: LLM, spec: LLM, prompts: list[list[int]],
     ratio = rate["spec"] / rate["plain"]
     print(f"{name:>9}: plain {rate['plain']:7.1f} tok/s  spec {rate['spec']:7.1f} tok/s  "
           f"ratio {ratio:.2f}x  acceptance {accepted}/{drafted} = "
-          f"{accepted / max(drafted, 1):.2f}  identical greedy text: {same}", flush=True)
+          f"{accepted / max(drafted, 1):.2f}  identical greedy text: {same}  "
+          f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     return ratio
 
 

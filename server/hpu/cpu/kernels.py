@@ -6,7 +6,7 @@ version and the CPU's instruction-set flags, so a cache volume moved to another 
 rebuilds instead of hitting an illegal instruction. Plain compiler calls (one per source, in
 parallel, then a link), no ninja, no lock file: concurrent first starts each build to
 private temp files and rename the library into place, so a crashed build can never leave a
-later start waiting. Building takes ~100 s of CPU time (the sources compiled in parallel:
+later start waiting. Building takes ~110 s of CPU time (the sources compiled in parallel:
 about a minute on 2 idle cores, one instantiation per dtype, head size and group count of
 the attention fast paths); loading a cached build is instant. Without a compiler the engine keeps the pure
 PyTorch ops, which compute the same values.
@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "layer_kernels.cpp", CSRC / "paged_attention.cpp",
            CSRC / "paged_attention_fp8.cpp", CSRC / "lora_kernels.cpp",
-           CSRC / "encoder_attention.cpp", CSRC / "prefill_attention.cpp")
+           CSRC / "encoder_attention.cpp", CSRC / "prefill_attention.cpp",
+           CSRC / "int4_gemm.cpp")
 HEADERS = (CSRC / "kernel_utils.h", CSRC / "paged_attention.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-DNDEBUG", "-std=c++17", "-fPIC")

@@ -16,20 +16,26 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from server.hpu.cpu.int4_pack import PackedInt4, int4_linear, pack_int4
+
 logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
-# Largest batch (rows) served from int4 codes; measured crossover, see SmallBatchInt4Linear.
-# A speculative verify step of one sequence (k + 1 rows) is served from them too, whatever k
-# (see int4_max_rows): the kernel's rows are independent, so a row's result is the same
-# bits at 1 row or 9, and a verify step scores its drafts with the plain decode's numerics.
+# Largest batch (rows) served from int4 codes; measured crossovers against the dense bf16
+# weight (benchmarks/int4_gemm.py): aten's int4 kernel, and ours (csrc/int4_gemm.cpp, which
+# decodes the codes once for all rows of a call). A speculative verify step of one sequence
+# (k + 1 rows) is served from them too, whatever k (see int4_max_rows): both kernels' rows
+# are independent, so a row's result is the same bits at 1 row or 9, and a verify step
+# scores its drafts with the plain decode's numerics.
 INT4_MAX_ROWS = 4
+INT4_KERNEL_MAX_ROWS = 16
 
 
-def int4_max_rows(decode_query: int) -> int:
+def int4_max_rows(decode_query: int, kernel: bool = False) -> int:
     """Rows served from int4 codes when a decode step carries up to ``decode_query`` tokens
-    per sequence: the plain crossover, or one sequence's verify step if that is larger."""
-    return max(INT4_MAX_ROWS, decode_query)
+    per sequence: the plain crossover (of our kernel or aten's), or one sequence's verify
+    step if that is larger."""
+    return max(INT4_KERNEL_MAX_ROWS if kernel else INT4_MAX_ROWS, decode_query)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -104,26 +110,32 @@ class Int4Codes(Protocol):
 class SmallBatchInt4Linear(nn.Module):
     """A packed dense linear plus the same weight as int4 codes, used for small batches.
 
-    Decode at a few rows is bound by reading weights: the int4 kernel reads a quarter of the
-    bf16 bytes (SmolLM2's linear stack at 1 row: 4.7 ms vs 14 ms), but computes slower than
-    oneDNN's bf16 GEMM from ~8 rows on, so bigger batches (prefill, loaded decode) keep the
-    dense path. Only for weights that were 4-bit in the checkpoint: the codes are the file's
-    own, nothing is quantized here.
+    Decode at a few rows is bound by reading weights: the int4 codes are a quarter of the
+    bf16 bytes, so up to ``max_rows`` rows run them, bigger batches (prefill, loaded decode)
+    the dense GEMM. Two int4 kernels: ours (``kernel``: the fused CPU kernels are loaded)
+    decodes each code once for all rows of a call (SmolLM2's linear stack, one thread: 5.1 ms
+    at 1 row, 8.7 at 4, 27 at 16, against aten's 6.9 / 11.5 / 43 and the dense 21.5 / 21.1
+    / 31: benchmarks/int4_gemm.py); aten's otherwise. Only for weights that were 4-bit in
+    the checkpoint: the codes are the file's own, nothing is quantized here.
     """
 
     def __init__(self, dense: nn.Module, weight: Int4Codes, group_size: int, max_rows: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kernel: bool = False) -> None:
         super().__init__()
         self.dense = dense
         self.in_features = dense.in_features
         self.out_features = dense.out_features
         self.group_size = group_size
         self.max_rows = max_rows
-        self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            weight.codes.to(torch.int32).contiguous(), 1)
-        # [K // group, N, 2]: the kernel's (scale, zero) layout, in the activation dtype.
-        self.scale_zero = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(dtype)
-        self.scale_zero = self.scale_zero.contiguous()
+        self.packed: PackedInt4 | None = None
+        if kernel:
+            self.packed = pack_int4(weight.codes, weight.scale, weight.zero)
+        else:
+            self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                weight.codes.to(torch.int32).contiguous(), 1)
+            # [K // group, N, 2]: aten's (scale, zero) layout, in the activation dtype.
+            self.scale_zero = torch.stack([weight.scale.t(), weight.zero.t()],
+                                          dim=-1).to(dtype).contiguous()
         self.bias = dense.bias
         self.weight_numel = getattr(dense, "weight_numel", self.in_features * self.out_features)
 
@@ -131,16 +143,20 @@ class SmallBatchInt4Linear(nn.Module):
         rows = x.numel() // self.in_features
         if rows > self.max_rows:
             return self.dense(x)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(rows, self.in_features), self.int4_weight, self.group_size,
-            self.scale_zero)
+        flat = x.reshape(rows, self.in_features)
+        if self.packed is not None:
+            out = int4_linear(flat.contiguous(), self.packed)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.int4_weight, self.group_size, self.scale_zero)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        kernel = "hpu_serve" if self.packed is not None else "aten"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int4 up to {self.max_rows} rows")
+                f"int4 ({kernel}) up to {self.max_rows} rows")
 
 
 def int4_supported(dtype: torch.dtype) -> bool:
@@ -148,9 +164,10 @@ def int4_supported(dtype: torch.dtype) -> bool:
 
 
 def attach_int4_weights(model: nn.Module, weights: Mapping[str, Int4Codes], max_rows: int,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, kernel: bool = False) -> int:
     """Give each named linear of ``model`` its int4 codes for batches of up to ``max_rows``
-    rows; returns how many got them (0 where the kernel or dtype is missing)."""
+    rows, run by our kernel if ``kernel`` else aten's; returns how many got them (0 where
+    aten's kernel or the dtype is missing)."""
     if not weights or not int4_supported(dtype):
         return 0
     for name, weight in weights.items():
@@ -161,7 +178,9 @@ def attach_int4_weights(model: nn.Module, weights: Mapping[str, Int4Codes], max_
             raise ValueError(f"{name}: int4 codes {tuple(weight.codes.shape)} do not match "
                              f"the layer ({dense.out_features}, {dense.in_features})")
         group_size = weight.codes.shape[1] // weight.scale.shape[1]
-        setattr(parent, attr, SmallBatchInt4Linear(dense, weight, group_size, max_rows, dtype))
+        setattr(parent, attr, SmallBatchInt4Linear(dense, weight, group_size, max_rows, dtype,
+                                                   kernel))
     logger.info("%d linear layers also hold their checkpoint's 4-bit weights, used for "
-                "batches of up to %d rows", len(weights), max_rows)
+                "batches of up to %d rows (%s int4 kernel)", len(weights), max_rows,
+                "hpu_serve" if kernel else "aten")
     return len(weights)
