@@ -40,9 +40,9 @@ class DeviceConfig:
                     "jobs, swap in new weights without a restart (see the Sleep mode page)")
     cpu_kernels: bool = knob(True, env="HPU_SERVE_CPU_KERNELS",
                              help="eager CPU: fused C++ kernels for norms, RoPE + KV writes, "
-                                  "activations, paged, prefill and encoder attention, LoRA deltas and "
-                                  "small-batch int4 matmuls (0: plain PyTorch ops, e.g. "
-                                  "where no compiler exists)")
+                                  "activations, paged, prefill and encoder attention, LoRA "
+                                  "deltas and small-batch int4 matmuls (0: plain PyTorch "
+                                  "ops, e.g. where no compiler exists)")
 
     def __post_init__(self) -> None:
         try:
