@@ -6,6 +6,8 @@ prefix caching beside it, and every block free afterwards."""
 from __future__ import annotations
 
 import collections
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,6 +98,34 @@ def test_greedy_identical_with_speculation(tiny_model, kernels: bool) -> None:
     seeded = {"n": 3, "temperature": 1.0, "seed": 7}
     assert outputs(spec, batch, **seeded) == outputs(spec, batch, **seeded)
     assert all_free(spec)
+
+
+@pytest.mark.slow
+def test_greedy_identical_with_speculation_in_bfloat16(smollm2_gguf) -> None:
+    """bf16 weights (the embedded model's dense copy): a verify step's k + 1 rows and a
+    decode step's one row go through the bf16 small-batch kernel, whose rows do not depend
+    on the batch. With oneDNN's GEMM at every row count the texts differed (it rounds a row
+    differently at 1 and 5 rows, and near-ties flip)."""
+    # benchmarks/spec_decode.py's copy, quote and code-edit prompts
+    bench = importlib.util.spec_from_file_location(
+        "spec_decode_bench", Path(__file__).parents[2] / "benchmarks" / "spec_decode.py")
+    assert bench is not None and bench.loader is not None
+    module = importlib.util.module_from_spec(bench)
+    bench.loader.exec_module(module)
+
+    folder, name = smollm2_gguf
+    common = {"dtype": "bfloat16", "quantization": "none", "max_model_len": 1024,
+              "max_num_seqs": 4}
+    plain = LLM(f"{folder}/{name}", **common)
+    spec = LLM(f"{folder}/{name}", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}, **common)
+    params = SamplingParams(temperature=0.0, max_tokens=128)
+    chats = [[{"role": "user", "content": text}] for text in module.GROUNDED]
+    want = [o.outputs[0].token_ids for o in plain.chat(chats, params)]
+    got = [spec.chat([chat], params)[0].outputs[0].token_ids for chat in chats]
+    assert got == want
+    assert spec.engine.stats().spec_num_accepted_tokens > 100
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
 - ``platform.py``: the ``cpu`` platform (KV cache bound by ``VLLM_CPU_KVCACHE_SPACE``,
   eager by default, gloo for tensor parallelism);
-- ``linear.py``: linear weights packed in oneDNN's blocked layout, and a checkpoint's own
-  4-bit codes for small decode batches (``int4_pack.py``: their layout for our kernel);
+- ``linear.py``: linear weights packed in oneDNN's blocked layout, a copy for our bf16
+  small-batch kernel (``bf16_pack.py``), and a checkpoint's own 4-bit codes for small
+  decode batches (``int4_pack.py``: their layout for our kernel);
 - ``kernels.py`` and ``csrc/``: fused C++ kernels, built once per machine;
 - ``layer_ops.py``: the layer ops that call them;
 - ``host_memory.py``: allocator tuning for step temporaries.
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import torch
 
+from server.hpu.cpu.bf16_pack import bf16_kernel_available
 from server.hpu.cpu.int4_pack import int4_kernel_available
 from server.hpu.cpu.kernels import load_cpu_kernels
 from server.hpu.cpu.layer_ops import FusedCpuLayerOps
 from server.hpu.cpu.linear import (
     Int4Codes,
     attach_int4_weights,
+    bf16_max_rows,
     int4_max_rows,
     int4_supported,
     pack_linear_layers,
@@ -42,13 +45,14 @@ def prepare_model(model: torch.nn.Module, *, use_kernels: bool,
     of the largest decode step, a speculative verify's k + 1); the fused kernels unless
     ``use_kernels`` is false or they cannot be built. Returns the layer ops to run."""
     dtype = next(model.parameters()).dtype
-    pack_linear_layers(model)
     kernels = (dtype in FusedCpuLayerOps.dtypes and use_kernels
                and load_cpu_kernels(cache_dir / "kernels"))
-    if int4_weights is not None and int4_supported(dtype):
+    codes = int4_weights() if int4_weights is not None and int4_supported(dtype) else {}
+    small_rows = bf16_max_rows(decode_query) if kernels and bf16_kernel_available() else 0
+    pack_linear_layers(model, small_rows, skip_small=codes.keys())
+    if codes:
         ours = kernels and int4_kernel_available()
-        attach_int4_weights(model, int4_weights(), int4_max_rows(decode_query, ours), dtype,
-                            ours)
+        attach_int4_weights(model, codes, int4_max_rows(decode_query, ours), dtype, ours)
     if dtype not in FusedCpuLayerOps.dtypes:
         logger.info("Fused CPU kernels serve float32 / bfloat16 only: %s runs PyTorch ops",
                     str(dtype).replace("torch.", ""))

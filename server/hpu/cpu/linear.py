@@ -10,12 +10,13 @@ the same packing inductor applies when it freezes a CPU graph, so only eager mod
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from server.hpu.cpu.bf16_pack import PackedBf16, bf16_linear, pack_bf16
 from server.hpu.cpu.int4_pack import PackedInt4, int4_linear, pack_int4
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,11 @@ _PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 # scores its drafts with the plain decode's numerics.
 INT4_MAX_ROWS = 4
 INT4_KERNEL_MAX_ROWS = 16
+# Largest batch served by the bf16 small-batch kernel (csrc/bf16_gemm.cpp): one pass over
+# the weight holds 8 rows. SmolLM2's linear stack, 2 threads (benchmarks/bf16_gemm.py): 10.4
+# vs oneDNN's 12.6 ms at 1 row, 10.7 vs 14.2 at 8; the LM head (49152 x 576) ties at 1 row
+# and loses from 12.
+BF16_KERNEL_MAX_ROWS = 8
 
 
 def int4_max_rows(decode_query: int, kernel: bool = False) -> int:
@@ -36,6 +42,12 @@ def int4_max_rows(decode_query: int, kernel: bool = False) -> int:
     per sequence: the plain crossover (of our kernel or aten's), or one sequence's verify
     step if that is larger."""
     return max(INT4_KERNEL_MAX_ROWS if kernel else INT4_MAX_ROWS, decode_query)
+
+
+def bf16_max_rows(decode_query: int) -> int:
+    """Rows served by the bf16 small-batch kernel: one pass's worth, or one sequence's
+    verify step if that is larger (its rows then scored with plain decoding's numerics)."""
+    return max(BF16_KERNEL_MAX_ROWS, decode_query)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -55,7 +67,7 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, activation: str = "none",
-                 algorithm: str = "") -> None:
+                 algorithm: str = "", small_rows: int = 0) -> None:
         super().__init__()
         weight = linear.weight.detach()
         self.in_features = linear.in_features
@@ -68,19 +80,34 @@ class PackedLinear(nn.Module):
         self.weight_numel = weight.numel()
         self.activation = activation
         self.algorithm = algorithm
+        # batches of up to small_rows rows: the bf16 kernel's copy (see pack_linear_layers)
+        self.small_rows = small_rows if activation == "none" else 0
+        self.small: PackedBf16 | None = None
+        if self.small_rows:
+            self.small = pack_bf16(weight, None if bias is None else bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.numel() <= self.small_rows * self.in_features:
+            flat = x.reshape(-1, self.in_features).contiguous()
+            return bf16_linear(flat, self.small).view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
                                                   self.activation, [], self.algorithm)
 
     def extra_repr(self) -> str:
         act = "" if self.activation == "none" else f", {self.activation}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed{act}"
+        small = f", bf16 kernel up to {self.small_rows} rows" if self.small is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"packed{act}{small}")
 
 
-def pack_linear_layers(model: nn.Module) -> int:
+def pack_linear_layers(model: nn.Module, small_rows: int = 0,
+                       skip_small: Collection[str] = ()) -> int:
     """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear`, in place.
 
+    ``small_rows`` > 0 (bfloat16 weights, the fused kernels loaded): each layer not named in
+    ``skip_small`` (those get int4 codes for small batches) also keeps a copy for the bf16
+    small-batch kernel, run for batches of up to ``small_rows`` rows: faster than oneDNN
+    there, and a row's result does not depend on the batch (exact speculative verify).
     Returns how many were packed; 0 (model untouched) where this torch build or CPU cannot.
     Tied weights stay intact: the embedding keeps the dense tensor, the head gets a packed
     copy.
@@ -90,11 +117,20 @@ def pack_linear_layers(model: nn.Module) -> int:
         return 0
     if any(m.weight.device.type != "cpu" for _, m in linears):
         return 0
+    if linears[0][1].weight.dtype != torch.bfloat16:
+        small_rows = 0
+    small_bytes = 0
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(linear))
+        packed = PackedLinear(linear, small_rows=0 if name in skip_small else small_rows)
+        if packed.small is not None:
+            small_bytes += packed.small.weight.numel() * 2
+        setattr(parent, attr, packed)
     logger.info("Packed %d linear layers into oneDNN's blocked layout", len(linears))
+    if small_bytes:
+        logger.info("bf16 small-batch kernel for batches of up to %d rows: its own copy of "
+                    "the dense linear weights, %.1f MiB", small_rows, small_bytes / 2**20)
     return len(linears)
 
 

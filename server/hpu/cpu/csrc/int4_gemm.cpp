@@ -48,30 +48,6 @@ namespace {
 constexpr int64_t kTile = 16;    // output columns per vector
 constexpr int64_t kMaxRows = 8;  // rows per pass over the weight (register budget)
 
-// 32 bf16 lanes as 16 dwords: lane pair (2j, 2j + 1) is column j's value at inputs k, k + 1.
-typedef uint16_t u16x32 __attribute__((vector_size(64)));
-
-// part += x[k] * w[k] + x[k + 1] * w[k + 1] per column, x's pair given as its 32 raw bits.
-// Products of bf16 values are exact in fp32, so each add is the only rounding (the odd
-// input first, as vdpbf16ps adds them; denormals flush to zero there).
-inline f32x16 dot_pair(f32x16 part, u16x32 w, uint32_t x_pair) {
-#if defined(__AVX512BF16__)
-  return reinterpret_cast<f32x16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(part),
-                                                   reinterpret_cast<__m512bh>(w),
-                                                   reinterpret_cast<__m512bh>(
-                                                       _mm512_set1_epi32(x_pair))));
-#else
-  const float x0 = bits_to_float(x_pair << 16);
-  const float x1 = bits_to_float(x_pair & 0xFFFF0000u);
-  for (int l = 0; l < 16; ++l) {
-    const float w0 = bits_to_float(static_cast<uint32_t>(w[2 * l]) << 16);
-    const float w1 = bits_to_float(static_cast<uint32_t>(w[2 * l + 1]) << 16);
-    part[l] = std::fma(x0, w0, std::fma(x1, w1, part[l]));
-  }
-  return part;
-#endif
-}
-
 inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 #ifdef __AVX512F__
   return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),

@@ -1,0 +1,174 @@
+// y = x W^T (+ b) for a bfloat16 weight, for the few rows of a decode or speculative-verify
+// step (torch.ops.hpu_serve.bf16_linear).
+//
+// Why it exists: oneDNN picks its GEMM blocking by row count, so a row's result depends on
+// how many rows share the call. A speculative verify step (k + 1 rows) then rounds a token's
+// logits differently from a plain one-row decode step, and near-ties flip: greedy text with
+// speculation was not plain decoding's on bf16 weights. Here every row is accumulated on its
+// own in one fixed order, so its output is the same bits at 1 row or 16 and whatever the
+// thread count (the int4 kernel's rule, csrc/int4_gemm.cpp). It also streams the weight once
+// per call for all rows, as a memory-bound skinny GEMM should.
+//
+// Numerics: per output column, fp32 accumulation of exact bf16 products (vdpbf16ps adds a
+// pair's two products, the odd input first, then the accumulator), over input pairs in
+// ascending order in two chains (even and odd pairs), the chains added at the end, then the
+// bias in fp32, then one rounding to the output dtype. The portable path does the same
+// arithmetic with fmas.
+//
+// Packed layout (server/hpu/cpu/bf16_pack.py prepacks it once at load time): output columns
+// in tiles of 16 (N padded to a multiple of 16 with zeros), inputs in pairs (K padded to
+// even): [tiles, K / 2, 16, 2] bf16, so each tile is one sequential stream of 64-byte vectors,
+// vector p holding the 16 columns' weights for inputs 2p and 2p + 1.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "kernel_utils.h"
+
+namespace hpu_serve {
+namespace {
+
+constexpr int64_t kTile = 16;   // output columns per vector
+constexpr int64_t kMaxRows = 8;  // rows per pass over the weight (register budget)
+constexpr int64_t kPrefetch = 16;  // input pairs (64-byte vectors) ahead
+
+struct Problem {
+  const uint32_t* x;      // [rows, half]: bf16 input pairs
+  const uint16_t* w;      // [tiles, half, 16, 2]
+  const float* bias;      // [n] or null
+  int64_t half, n, x_stride;
+};
+
+// Rows [row0, row0 + M) against output tile t.
+template <int M, typename O>
+void tile_rows(const Problem& p, int64_t row0, int64_t t, O* out) {
+  f32x16 even[M], odd[M];
+  for (int m = 0; m < M; ++m) even[m] = odd[m] = f32x16{};
+  const uint16_t* w = p.w + t * p.half * 2 * kTile;
+  const uint32_t* x = p.x + row0 * p.x_stride;
+  int64_t i = 0;
+  for (; i + 1 < p.half; i += 2) {
+    // the tile's stream, 1 KiB ahead: without it a pass of 6 or more rows fell from ~20
+    // to ~15 GB/s (measured on SmolLM2's linear stack, 2 threads)
+    __builtin_prefetch(w + (i + kPrefetch) * 2 * kTile);
+    __builtin_prefetch(w + (i + kPrefetch + 1) * 2 * kTile);
+    const u16x32 w0 = load_u16x32(w + i * 2 * kTile);
+    const u16x32 w1 = load_u16x32(w + (i + 1) * 2 * kTile);
+    for (int m = 0; m < M; ++m) {
+      even[m] = dot_pair(even[m], w0, x[m * p.x_stride + i]);
+      odd[m] = dot_pair(odd[m], w1, x[m * p.x_stride + i + 1]);
+    }
+  }
+  if (i < p.half) {
+    const u16x32 w0 = load_u16x32(w + i * 2 * kTile);
+    for (int m = 0; m < M; ++m) even[m] = dot_pair(even[m], w0, x[m * p.x_stride + i]);
+  }
+  const int64_t col = t * kTile;
+  f32x16 bias{};
+  if (p.bias != nullptr) {
+    for (int64_t l = 0; l < kTile && col + l < p.n; ++l) bias[l] = p.bias[col + l];
+  }
+  for (int m = 0; m < M; ++m) {
+    const f32x16 acc = (even[m] + odd[m]) + bias;
+    O* row = out + (row0 + m) * p.n;
+    for (int64_t l = 0; l < kTile && col + l < p.n; ++l) store(row, col + l, acc[l]);
+  }
+}
+
+template <typename O>
+void rows_dispatch(const Problem& p, int64_t row0, int64_t rows, int64_t begin, int64_t end,
+                   O* out) {
+  for (int64_t t = begin; t < end; ++t) {
+    switch (rows) {
+      case 1: tile_rows<1, O>(p, row0, t, out); break;
+      case 2: tile_rows<2, O>(p, row0, t, out); break;
+      case 3: tile_rows<3, O>(p, row0, t, out); break;
+      case 4: tile_rows<4, O>(p, row0, t, out); break;
+      case 5: tile_rows<5, O>(p, row0, t, out); break;
+      case 6: tile_rows<6, O>(p, row0, t, out); break;
+      case 7: tile_rows<7, O>(p, row0, t, out); break;
+      default: tile_rows<8, O>(p, row0, t, out); break;
+    }
+  }
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return shape;
+}
+
+// out_dtype float32 returns the fp32 accumulators unrounded (tests and logits).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, int64_t out_features,
+                       std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "x must be a bfloat16 CPU tensor");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dim");
+  const int64_t k = x.size(-1);
+  const int64_t half = (k + 1) / 2;
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 &&
+                  weight.dim() == 4 && weight.size(1) == half && weight.size(2) == kTile &&
+                  weight.size(3) == 2 && weight.is_contiguous(),
+              "weight must be a contiguous bfloat16 CPU tensor [tiles, in_features / 2, 16, 2]");
+  TORCH_CHECK(out_features > (weight.size(0) - 1) * kTile &&
+                  out_features <= weight.size(0) * kTile,
+              "out_features must end in the last 16-column tile");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == out_features,
+                "bias must be a contiguous float32 tensor of out_features values");
+  }
+  const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+              "out_dtype must be bfloat16 or float32");
+  at::Tensor out = at::empty(out_shape(x, out_features), x.options().dtype(dtype));
+  if (x.numel() == 0) return out;
+  // rows as pairs of bf16: an odd K is padded with one zero input (its weights are 0 too)
+  at::Tensor xs = x.reshape({-1, k});
+  if (k % 2 != 0) xs = at::constant_pad_nd(xs, {0, 1}, 0);
+  xs = xs.contiguous();
+  const int64_t rows = xs.size(0);
+  const Problem p{reinterpret_cast<const uint32_t*>(xs.data_ptr<BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(weight.data_ptr<BFloat16>()),
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr, half, out_features,
+                  half};
+  const auto run = [&](auto* op) {
+    at::parallel_for(0, weight.size(0), 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = 0; r < rows; r += kMaxRows) {
+        rows_dispatch(p, r, std::min(kMaxRows, rows - r), begin, end, op);
+      }
+    });
+  };
+  if (dtype == at::kFloat) {
+    run(out.data_ptr<float>());
+  } else {
+    run(out.data_ptr<BFloat16>());
+  }
+  return out;
+}
+
+// Shapes only (fake tensors, torch.compile tracing): the op stays one opaque call.
+at::Tensor bf16_linear_meta(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, int64_t out_features,
+                            std::optional<at::ScalarType> out_dtype) {
+  return at::empty(out_shape(x, out_features),
+                   x.options().dtype(out_dtype.value_or(at::kBFloat16)));
+}
+
+}  // namespace
+}  // namespace hpu_serve
+
+TORCH_LIBRARY_FRAGMENT(hpu_serve, m) {
+  m.def(
+      "bf16_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, "
+      "ScalarType? out_dtype=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hpu_serve, CPU, m) { m.impl("bf16_linear", &hpu_serve::bf16_linear); }
+
+TORCH_LIBRARY_IMPL(hpu_serve, Meta, m) { m.impl("bf16_linear", &hpu_serve::bf16_linear_meta); }
