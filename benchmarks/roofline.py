@@ -70,7 +70,9 @@ def batch1_weight_bytes(model: nn.Module, element: int) -> int:
     serves small batches from them, the dense weight elsewhere."""
     int4 = [m for m in model.modules() if isinstance(m, SmallBatchInt4Linear)]
     wrapped = {id(m.dense) for m in int4}
-    total = sum(t.numel() * t.element_size() for m in int4 for t in (m.int4_weight, m.scale_zero))
+    total = sum(t.numel() * t.element_size() for m in int4
+                for t in ((m.packed.weight,) if m.packed is not None  # our kernel's blocks
+                          else (m.int4_weight, m.scale_zero)))
     for m in model.modules():
         if isinstance(m, (PackedLinear, nn.Linear)) and id(m) not in wrapped:
             total += (m.weight_numel if isinstance(m, PackedLinear) else m.weight.numel()) * element
