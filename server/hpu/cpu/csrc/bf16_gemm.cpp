@@ -80,19 +80,16 @@ void tile_rows(const Problem& p, int64_t row0, int64_t t, O* out) {
 }
 
 template <typename O>
-void rows_dispatch(const Problem& p, int64_t row0, int64_t rows, int64_t begin, int64_t end,
-                   O* out) {
-  for (int64_t t = begin; t < end; ++t) {
-    switch (rows) {
-      case 1: tile_rows<1, O>(p, row0, t, out); break;
-      case 2: tile_rows<2, O>(p, row0, t, out); break;
-      case 3: tile_rows<3, O>(p, row0, t, out); break;
-      case 4: tile_rows<4, O>(p, row0, t, out); break;
-      case 5: tile_rows<5, O>(p, row0, t, out); break;
-      case 6: tile_rows<6, O>(p, row0, t, out); break;
-      case 7: tile_rows<7, O>(p, row0, t, out); break;
-      default: tile_rows<8, O>(p, row0, t, out); break;
-    }
+void rows_dispatch(const Problem& p, int64_t row0, int64_t rows, int64_t t, O* out) {
+  switch (rows) {
+    case 1: return tile_rows<1, O>(p, row0, t, out);
+    case 2: return tile_rows<2, O>(p, row0, t, out);
+    case 3: return tile_rows<3, O>(p, row0, t, out);
+    case 4: return tile_rows<4, O>(p, row0, t, out);
+    case 5: return tile_rows<5, O>(p, row0, t, out);
+    case 6: return tile_rows<6, O>(p, row0, t, out);
+    case 7: return tile_rows<7, O>(p, row0, t, out);
+    default: return tile_rows<8, O>(p, row0, t, out);
   }
 }
 
@@ -139,8 +136,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                   half};
   const auto run = [&](auto* op) {
     at::parallel_for(0, weight.size(0), 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        rows_dispatch(p, r, std::min(kMaxRows, rows - r), begin, end, op);
+      // past 8 rows, a tile's later passes read its weights from cache (a tile is K x 64
+      // bytes), not from memory again
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t r = 0; r < rows; r += kMaxRows) {
+          rows_dispatch(p, r, std::min(kMaxRows, rows - r), t, op);
+        }
       }
     });
   };
