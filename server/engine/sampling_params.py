@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+logger = logging.getLogger(__name__)
+
 # Largest top-k logprobs a request may ask for (OpenAI allows 20 on chat).
 MAX_LOGPROBS = 20
+# Smallest temperature above 0 (vLLM's): logits / 1e-300 are inf or NaN in fp32, and the
+# sampler would draw a token outside top-k, top-p or a grammar's mask.
+MIN_TEMPERATURE = 1e-2
 
 
 class StructuredOutputsParams(BaseModel):
@@ -122,6 +128,15 @@ class SamplingParams(BaseModel):
     def _stop_not_empty(cls, value: list[str]) -> list[str]:
         if any(s == "" for s in value):
             raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g, where logits overflow: raised to %g",
+                           value, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            return MIN_TEMPERATURE
         return value
 
     @field_validator("top_k")

@@ -146,3 +146,17 @@ def test_completions_take_constraints_too(server) -> None:
     resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     assert re.fullmatch(DATE, resp.json()["choices"][0]["text"])
+
+
+def test_a_vanishing_temperature_is_raised_not_turned_into_nan(server) -> None:
+    """A temperature of 1e-308 (a fuzzer's) divided the logits into inf / NaN, and the
+    sampler then drew a token the choice grammar forbids: a 500. It is raised to vLLM's
+    floor of 0.01, so the answer is still one of the choices."""
+    from server.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
+
+    assert SamplingParams(temperature=2.2250738585072014e-308).temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=0.0).temperature == 0.0  # greedy stays greedy
+    for seed in range(3):
+        text, reason = chat(server, temperature=2.2250738585072014e-308, seed=seed,
+                            structured_outputs={"choice": COLORS})
+        assert text in COLORS and reason == "stop"
