@@ -84,12 +84,11 @@ class PackedLinear(nn.Module):
         self.small_rows = small_rows if activation == "none" else 0
         self.small: PackedBf16 | None = None
         if self.small_rows:
-            self.small = pack_bf16(weight, None if bias is None else bias)
+            self.small = pack_bf16(weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.numel() <= self.small_rows * self.in_features:
-            flat = x.reshape(-1, self.in_features).contiguous()
-            return bf16_linear(flat, self.small).view(*x.shape[:-1], self.out_features)
+            return bf16_linear(x, self.small)  # any leading dims, any strides
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
                                                   self.activation, [], self.algorithm)
 

@@ -93,12 +93,6 @@ void rows_dispatch(const Problem& p, int64_t row0, int64_t rows, int64_t t, O* o
   }
 }
 
-std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  return shape;
-}
-
 // out_dtype float32 returns the fp32 accumulators unrounded (tests and logits).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, int64_t out_features,

@@ -202,12 +202,6 @@ int64_t check_packed(const at::Tensor& x, const at::Tensor& weight, int64_t grou
   return z;
 }
 
-std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out_features;
-  return shape;
-}
-
 // out_dtype float32 returns the fp32 accumulators unrounded (tests: a row's bits can then be
 // compared before bf16 rounding hides most differences).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, int64_t group_size,

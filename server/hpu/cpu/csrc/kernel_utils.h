@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace hpu_serve {
 
@@ -162,6 +163,13 @@ inline f32x16 dot_pair(f32x16 part, u16x32 w, uint32_t x_pair) {
   }
   return part;
 #endif
+}
+
+// A linear's output shape: x's, with out_features last.
+inline std::vector<int64_t> out_shape(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return shape;
 }
 
 inline u16x32 load_u16x32(const uint16_t* p) {
