@@ -21,6 +21,7 @@ from server.hpu.attention import (
     write_kv,
 )
 from server.hpu.kv_cache import KVCache
+from server.hpu.layer_stack import DecodeStack, LayerStackSpec
 from server.hpu.types import DecodeLayout
 
 # cos, sin [T, 1, R] in the model dtype; R == D, or R < D for partial rotary embeddings
@@ -52,6 +53,11 @@ class TorchLayerOps:
     def kv_cache_views(self, kv_caches: list[KVCache]) -> list[KVCache]:
         """The engine's caches (``[blocks, Hkv, B, D]`` each) as this backend lays them out."""
         return kv_caches
+
+    def decode_stack(self, spec: LayerStackSpec) -> DecodeStack | None:
+        """The decoder layers of a small decode step as one call, where this backend has one
+        for ``spec``'s layers (see layer_stack.py); None: the model runs its layer loop."""
+        return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Normalise in float32 like the reference implementation, whatever the weight dtype.

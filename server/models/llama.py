@@ -12,6 +12,7 @@ from torch import nn
 from server.hpu.attention import AttentionMetadata
 from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import Rope, TorchLayerOps
+from server.hpu.layer_stack import DecodeStack, LayerStackSpec, StackLayer
 from server.models.config import ModelConfig
 from server.models.lora import LayerLoRA, LoRASite, LoRASlots
 from server.models.mla import MLAttention
@@ -158,6 +159,19 @@ class DecoderLayer(nn.Module):
             x = x * self.residual_multiplier
         return x, residual
 
+    def plain(self) -> bool:
+        """Pre-norm attention then a gated MLP and nothing else: the layer a backend's
+        one-call decode loop computes (see LlamaForCausalLM.layer_stack_spec)."""
+        attn, mlp = self.self_attn, self.mlp
+        modules = (self, attn, mlp, self.input_layernorm, self.post_attention_layernorm)
+        return (type(attn) is Attention and type(mlp) is MLP and attn.lora is None
+                and mlp.lora is None and attn.q_norm is None and attn.sinks is None
+                and not self.sandwich and not self.local_rope
+                and self.residual_multiplier == 1.0
+                and type(self.input_layernorm) is RMSNorm
+                and type(self.post_attention_layernorm) is RMSNorm
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+
     def _mlp(self, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
         if isinstance(self.mlp, MLP):
             return self.mlp(x, lora_mask)
@@ -185,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
         self.lora_slots: LoRASlots | None = None
         # EAGLE-3: the layers whose incoming residual stream forward() appends to its output
         self.aux_layers: tuple[int, ...] = ()
+        # a backend's one-call layer loop for small decode steps (see use_ops)
+        self.decode_stack: DecodeStack | None = None
 
     def forward(
         self,
@@ -220,11 +236,16 @@ class LlamaForCausalLM(nn.Module):
         lora_mask = (self.lora_slots.mask(lora_slots)
                      if self.lora_slots is not None and lora_slots is not None else None)
         aux = []
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if index in self.aux_layers:
-                aux.append(x + residual)
-            x, residual = layer(x, residual, local_rope if layer.local_rope else rope,
-                                kv_cache, meta, lora_mask)
+        stack = self.decode_stack
+        if (stack is not None and lora_mask is None and not self.aux_layers
+                and stack.serves(x, meta)):
+            x = stack(x, residual, rope, kv_caches, meta)  # the loop below, in one call
+        else:
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                if index in self.aux_layers:
+                    aux.append(x + residual)
+                x, residual = layer(x, residual, local_rope if layer.local_rope else rope,
+                                    kv_cache, meta, lora_mask)
         out = self.norm(x, residual)[0]
         return torch.cat([out, *aux], dim=-1) if aux else out
 
@@ -291,10 +312,33 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layers = layers
 
     def use_ops(self, ops: TorchLayerOps) -> None:
-        """Routes every layer's fusable operations to ``ops`` (see layer_ops.py)."""
+        """Routes every layer's fusable operations to ``ops`` (see layer_ops.py), and takes
+        its one-call layer loop for small decode steps where it has one for these layers."""
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops
+        spec = self.layer_stack_spec()
+        self.decode_stack = ops.decode_stack(spec) if spec is not None else None
+
+    def layer_stack_spec(self) -> LayerStackSpec | None:
+        """The layers as plain data for a backend's one-call loop (layer_stack.py), or None
+        where one of them is not the plain layer that loop computes."""
+        layers = []
+        for layer in self.layers:
+            if type(layer) is not DecoderLayer or not layer.plain():
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(attn, Attention) and isinstance(mlp, MLP)  # plain() checked
+            layers.append(StackLayer(layer.input_layernorm.weight,
+                                     layer.post_attention_layernorm.weight, attn.qkv_proj,
+                                     attn.o_proj, mlp.gate_up_proj, mlp.down_proj, attn.window))
+        first = self.layers[0] if layers else None
+        if first is None or len({(lay.self_attn.scale, lay.mlp.gelu, lay.input_layernorm.eps,
+                                  lay.post_attention_layernorm.eps) for lay in self.layers}) != 1:
+            return None
+        return LayerStackSpec(layers, first.self_attn.num_heads, first.self_attn.num_kv_heads,
+                              first.input_layernorm.eps, first.self_attn.scale,
+                              first.self_attn.softcap, first.mlp.gelu)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[bs, hidden]`` (one row per sequence) -> float32 logits ``[bs, vocab]``."""

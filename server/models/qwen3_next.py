@@ -296,6 +296,10 @@ class Qwen3NextForCausalLM(nn.Module):
     def keep_norms_in_float(self) -> None:
         """Nothing to do: these norms compute 1 + w in float32 themselves."""
 
+    def layer_stack_spec(self) -> None:
+        """No one-call decode loop: the linear-attention layers are not the plain layer."""
+        return None
+
     def serve_context(self, max_model_len: int) -> None:
         """No sliding windows to drop."""
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 
 from server.hpu.attention import AttentionMetadata
+from server.hpu.cpu.decode_stack import FusedDecodeStack
 from server.hpu.kv_cache import KVCache
 from server.hpu.layer_ops import Rope, TorchLayerOps
+from server.hpu.layer_stack import LayerStackSpec
 from server.hpu.types import DecodeLayout
 
 
@@ -47,6 +49,10 @@ class FusedCpuLayerOps(TorchLayerOps):
         header): the same zero-filled memory, so this is only valid before any write."""
         return [(k.view(k.shape[0], k.shape[1], k.shape[3], k.shape[2]), v)
                 for k, v in kv_caches]
+
+    def decode_stack(self, spec: LayerStackSpec) -> FusedDecodeStack | None:
+        # every layer in one kernel call (csrc/decode_stack.cpp): the same kernels, no Python
+        return FusedDecodeStack.build(spec)
 
     def __init__(self) -> None:
         ops = torch.ops.hpu_serve

@@ -1,0 +1,148 @@
+// torch.ops.hpu_serve.decode_layers: every decoder layer of a small decode step in one call.
+//
+// Why: at batch 1 the kernels of SmolLM2's 30 layers take ~6 ms, and the Python between them
+// (module calls, views, argument checks, ~9 op dispatches a layer) another ~3 ms. This loop
+// makes the same kernel calls, in the same order, with the same arguments, as the Python
+// layer loop of server/models/llama.py with FusedCpuLayerOps, so its results are the same
+// bits; only the Python goes. It serves the plain layer (pre-norm attention, then a gated
+// MLP; no adapters, per-head norms or sandwich norms) and only batches that every projection
+// serves from our small-batch kernels (int4_gemm.cpp, bf16_gemm.cpp): oneDNN's packed
+// weights are opaque tensors that sleep mode replaces, so the stack never holds them.
+//
+// Each kernel is called through its registered op (a typed dispatcher handle looked up once),
+// not its C++ function: the kernels keep their argument checks and stay private to their
+// units, and the dispatch costs well under a microsecond.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace hpu_serve {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
+      add_rms_norm = op<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "hpu_serve::add_rms_norm_");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                      std::optional<at::ScalarType>)>
+      int4_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                  std::optional<at::ScalarType>)>("hpu_serve::int4_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      int64_t, std::optional<at::ScalarType>)>
+      bf16_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
+                                  std::optional<at::ScalarType>)>("hpu_serve::bf16_linear");
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                at::Tensor&, const at::Tensor&, int64_t, int64_t)>
+      rotary = op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                       at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
+          "hpu_serve::rotary_write_kv");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, double, int64_t,
+                                      double, int64_t, const OptTensor&)>
+      attention = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t, double,
+                                int64_t, const OptTensor&)>("hpu_serve::decode_attention");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
+      op<at::Tensor(const at::Tensor&)>("hpu_serve::silu_and_mul");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> gelu_tanh_and_mul =
+      op<at::Tensor(const at::Tensor&)>("hpu_serve::gelu_tanh_and_mul");
+};
+
+const Ops& ops() {
+  static const Ops handles;  // after every unit's registration (the library is loaded)
+  return handles;
+}
+
+constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
+
+// One projection: int4 codes (then the bias, added as `out + bias` is) or the bf16 kernel's
+// copy (its fp32 bias inside), as SmallBatchInt4Linear / PackedLinear choose for small batches.
+at::Tensor project(const at::Tensor& x, int64_t p, const c10::List<OptTensor>& int4,
+                   const c10::List<OptTensor>& bf16, const c10::List<OptTensor>& biases,
+                   at::IntArrayRef params) {
+  const int64_t out_features = params[2 * p];
+  const OptTensor codes = int4.get(p);
+  const OptTensor bias = biases.get(p);
+  if (codes.has_value()) {
+    at::Tensor out = ops().int4_linear.call(x, *codes, params[2 * p + 1], out_features,
+                                            std::nullopt);
+    return bias.has_value() ? at::add(out, *bias) : out;
+  }
+  const OptTensor weight = bf16.get(p);
+  TORCH_CHECK(weight.has_value(), "projection ", p, " has neither int4 codes nor a bf16 copy");
+  return ops().bf16_linear.call(x, *weight, bias, out_features, std::nullopt);
+}
+
+// x [rows, 1, hidden]: the embeddings (the first layer's input, on a zero residual stream);
+// residual: the stream, updated in place; cos / sin [rows, rotary_dim]; per layer i:
+// k_caches[i], v_caches[i], norms[2i] (input) and norms[2i + 1] (post-attention), windows[i]
+// (0: none) and the projections 4i .. 4i + 3 (qkv, o, gate_up, down), each int4 codes or a
+// bf16 copy, with params[2p] its output features and params[2p + 1] its int4 group size.
+// Returns the last layer's MLP output, x's shape.
+at::Tensor decode_layers(const at::Tensor& x, at::Tensor& residual, const at::Tensor& cos,
+                         const at::Tensor& sin, at::TensorList k_caches,
+                         at::TensorList v_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         at::TensorList norms, const c10::List<OptTensor>& int4,
+                         const c10::List<OptTensor>& bf16, const c10::List<OptTensor>& biases,
+                         at::IntArrayRef params, at::IntArrayRef windows, int64_t num_heads,
+                         int64_t num_kv_heads, double eps, double scale, double softcap,
+                         bool gelu) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers &&
+                  static_cast<int64_t>(windows.size()) == layers &&
+                  static_cast<int64_t>(int4.size()) == kProjections * layers &&
+                  static_cast<int64_t>(bf16.size()) == kProjections * layers &&
+                  static_cast<int64_t>(biases.size()) == kProjections * layers &&
+                  static_cast<int64_t>(params.size()) == 2 * kProjections * layers,
+              "decode_layers: per-layer lists of inconsistent lengths");
+  TORCH_CHECK(x.dim() >= 2 && x.sizes() == residual.sizes() && residual.is_contiguous(),
+              "x and residual must be [rows, ..., hidden], residual contiguous");
+  const int64_t hidden = x.size(-1);
+  const int64_t rows = x.numel() / hidden;
+  at::Tensor stream = residual.view({rows, hidden});  // in place, as the caller's tensor
+  at::Tensor h = x.reshape({rows, hidden}).contiguous();
+  const Ops& k = ops();
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t p = kProjections * i;
+    at::Tensor normed = k.add_rms_norm.call(stream, h, norms[2 * i], eps);
+    at::Tensor qkv = project(normed, p, int4, bf16, biases, params);
+    at::Tensor k_cache = k_caches[i];
+    at::Tensor v_cache = v_caches[i];
+    k.rotary.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
+    at::Tensor query = qkv.view({rows, num_heads + 2 * num_kv_heads, -1}).narrow(1, 0, num_heads);
+    at::Tensor attn = k.attention.call(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       windows[i], softcap, 0, std::nullopt);
+    at::Tensor out = project(attn.view({rows, -1}), p + 1, int4, bf16, biases, params);
+    normed = k.add_rms_norm.call(stream, out, norms[2 * i + 1], eps);
+    at::Tensor gate_up = project(normed, p + 2, int4, bf16, biases, params);
+    at::Tensor act = gelu ? k.gelu_tanh_and_mul.call(gate_up) : k.silu_and_mul.call(gate_up);
+    h = project(act, p + 3, int4, bf16, biases, params);
+  }
+  return h.view(x.sizes());
+}
+
+}  // namespace
+}  // namespace hpu_serve
+
+TORCH_LIBRARY_FRAGMENT(hpu_serve, m) {
+  m.def(
+      "decode_layers(Tensor x, Tensor(a!) residual, Tensor cos, Tensor sin, "
+      "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor seq_lens, Tensor[] norms, Tensor?[] int4, Tensor?[] bf16, Tensor?[] biases, "
+      "int[] params, int[] windows, int num_heads, int num_kv_heads, float eps, float scale, "
+      "float softcap, bool gelu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hpu_serve, CPU, m) { m.impl("decode_layers", &hpu_serve::decode_layers); }
