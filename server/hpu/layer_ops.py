@@ -55,7 +55,7 @@ class TorchLayerOps:
         return kv_caches
 
     def decode_stack(self, spec: LayerStackSpec) -> DecodeStack | None:
-        """The decoder layers of a small decode step as one call, where this backend has one
+        """The decoder layers of a decode step as one call, where this backend has one
         for ``spec``'s layers (see layer_stack.py); None: the model runs its layer loop."""
         return None
 

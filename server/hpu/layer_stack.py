@@ -1,8 +1,8 @@
 """What a model hands a layer-ops backend to run its decoder layers as one call.
 
 A backend that can (the CPU kernels' ``server.hpu.cpu.decode_stack``) turns a
-:class:`LayerStackSpec` into a :class:`DecodeStack`: the whole layer loop of a small decode
-step in one kernel call, the same arithmetic as the model's own loop without the Python
+:class:`LayerStackSpec` into a :class:`DecodeStack`: the whole layer loop of a decode step in
+one kernel call, the same arithmetic as the model's own loop without the Python
 between the kernels. Only the plain decoder layer qualifies, which the model checks before
 it builds a spec: pre-norm attention then a gated MLP, with no adapters, per-head norms,
 sandwich norms, residual multipliers, sinks or module hooks (tensor parallelism's
@@ -55,8 +55,6 @@ class LayerStackSpec:
 
 class DecodeStack(Protocol):
     """Runs the layers of a decode step, one token a sequence, as one call."""
-
-    max_rows: int  # the largest batch it serves; bigger ones take the model's loop
 
     def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step (embeddings ``x`` ``[bs, 1, hidden]``) is one it runs."""

@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         self.lora_slots: LoRASlots | None = None
         # EAGLE-3: the layers whose incoming residual stream forward() appends to its output
         self.aux_layers: tuple[int, ...] = ()
-        # a backend's one-call layer loop for small decode steps (see use_ops)
+        # a backend's one-call layer loop for decode steps (see use_ops)
         self.decode_stack: DecodeStack | None = None
 
     def forward(
@@ -313,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_ops(self, ops: TorchLayerOps) -> None:
         """Routes every layer's fusable operations to ``ops`` (see layer_ops.py), and takes
-        its one-call layer loop for small decode steps where it has one for these layers."""
+        its one-call layer loop for decode steps where it has one for these layers."""
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops

@@ -1,15 +1,17 @@
-"""A small decode step's decoder layers as one call: ``torch.ops.hpu_serve.decode_layers``.
+"""A decode step's decoder layers as one call: ``torch.ops.hpu_serve.decode_layers``.
 
 The kernel (csrc/decode_stack.cpp) makes the calls the model's layer loop makes through
 :class:`~server.hpu.cpu.layer_ops.FusedCpuLayerOps`, in the same order, so the step's
-results are the same bits; it saves the Python between the kernels, ~3 ms of SmolLM2's ~9.5
-ms batch-1 step. It serves batches that every projection runs on our small-batch kernels:
-int4 codes (:class:`SmallBatchInt4Linear` up to its ``max_rows``) or the bf16 copy
-(:class:`PackedLinear` up to its ``small_rows``); a bigger batch, a prefill or a speculative
-verify step takes the model's loop.
+results are the same bits; it saves the Python between the kernels, ~2.5 ms a step for
+SmolLM2's 30 layers (its batch-1 step: 8.2 -> 6.0 ms). Each projection runs what its module
+would: int4 codes (:class:`SmallBatchInt4Linear`, up to its ``max_rows``) or the bf16 copy
+(:class:`PackedLinear`, up to its ``small_rows``), oneDNN's packed weight past them. Prefill
+and speculative verify steps (several tokens a sequence) take the model's loop.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,28 +22,54 @@ from server.hpu.kv_cache import KVCache
 from server.hpu.layer_stack import LayerStackSpec
 
 
-def _small_batch_weights(linear: nn.Module
-                         ) -> tuple[torch.Tensor | None, torch.Tensor | None,
-                                    torch.Tensor | None, int, int, int] | None:
-    """(int4 blocks, bf16 copy, bias, output features, int4 group, max rows) of a projection
-    our small-batch kernels serve, or None."""
-    if linear._forward_hooks or linear._forward_pre_hooks:  # e.g. a rank's all-reduce
-        return None
-    if isinstance(linear, SmallBatchInt4Linear) and linear.packed is not None:
-        packed = linear.packed
-        return (packed.weight, None, linear.bias, packed.out_features, packed.group_size,
-                linear.max_rows)
-    if type(linear) is PackedLinear and linear.small is not None:
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """One projection as the kernel takes it: its small-batch weight (int4 blocks or a bf16
+    copy, with that path's bias), up to ``small_rows`` rows, and its oneDNN module."""
+
+    int4: torch.Tensor | None
+    bf16: torch.Tensor | None
+    small_bias: torch.Tensor | None
+    out_features: int
+    group_size: int
+    small_rows: int
+    dense: PackedLinear
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> Projection | None:
+        """None where the module is not one the kernel reproduces (aten's int4 kernel, an
+        unpacked or activated linear, hooks such as a rank's all-reduce)."""
+        if linear._forward_hooks or linear._forward_pre_hooks:
+            return None
+        if isinstance(linear, SmallBatchInt4Linear):
+            dense = linear.dense
+            if linear.packed is None or not cls._plain(dense):
+                return None
+            packed = linear.packed
+            return cls(packed.weight, None, linear.bias, packed.out_features,
+                       packed.group_size, linear.max_rows, dense)
+        if not cls._plain(linear):
+            return None
+        assert isinstance(linear, PackedLinear)
         small = linear.small
-        return None, small.weight, small.bias, small.out_features, 0, linear.small_rows
-    return None
+        if small is None:
+            return cls(None, None, None, linear.out_features, 0, 0, linear)
+        return cls(None, small.weight, small.bias, small.out_features, 0, linear.small_rows,
+                   linear)
+
+    @staticmethod
+    def _plain(linear: nn.Module) -> bool:
+        return (type(linear) is PackedLinear and linear.activation == "none"
+                and not linear._forward_hooks and not linear._forward_pre_hooks)
 
 
 class FusedDecodeStack:
-    """The layers' tensors gathered once, in the kernel's argument order (the tensors
-    themselves: sleep mode frees and refills their storage in place, which they follow)."""
+    """The layers' tensors gathered once, in the kernel's argument order. oneDNN's packed
+    weights are read from their modules when a step needs them: sleep mode replaces those
+    opaque tensors, where it frees and refills every other one in place."""
 
-    def __init__(self, spec: LayerStackSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: LayerStackSpec, projections: list[Projection],
+                 dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
@@ -49,55 +77,56 @@ class FusedDecodeStack:
         self.scale = spec.scale
         self.softcap = spec.softcap or 0.0
         self.gelu = spec.gelu
-        self.norms: list[torch.Tensor] = []
-        self.int4: list[torch.Tensor | None] = []
-        self.bf16: list[torch.Tensor | None] = []
-        self.biases: list[torch.Tensor | None] = []
-        self.params: list[int] = []
+        self.norms = [w for layer in spec.layers
+                      for w in (layer.input_norm, layer.post_attention_norm)]
         self.windows = [layer.window or 0 for layer in spec.layers]
-        rows = []
-        for layer in spec.layers:
-            self.norms += [layer.input_norm, layer.post_attention_norm]
-            for linear in layer.projections:
-                weights = _small_batch_weights(linear)
-                assert weights is not None  # build() checked
-                int4, bf16, bias, out_features, group, max_rows = weights
-                self.int4.append(int4)
-                self.bf16.append(bf16)
-                self.biases.append(bias)
-                self.params += [out_features, group]
-                rows.append(max_rows)
-        self.max_rows = min(rows)
+        self.int4 = [p.int4 for p in projections]
+        self.bf16 = [p.bf16 for p in projections]
+        self.small_biases = [p.small_bias for p in projections]
+        self.params = [n for p in projections
+                       for n in (p.out_features, p.group_size, p.small_rows)]
+        self.dense = [p.dense for p in projections]
+        # up to this many rows no projection needs its oneDNN weight
+        self.small_rows = min(p.small_rows for p in projections)
 
     @classmethod
     def build(cls, spec: LayerStackSpec) -> FusedDecodeStack | None:
-        """The stack, or None where a layer has a projection or norm the kernel does not take
-        (oneDNN-only weights, hooks, a norm weight of another dtype)."""
+        """The stack, or None where a projection or norm is not one the kernel takes."""
         if not spec.layers or not hasattr(torch.ops.hpu_serve, "decode_layers"):
             return None
         dtype = spec.layers[0].input_norm.dtype
+        if dtype not in (torch.float32, torch.bfloat16):  # the fused kernels' dtypes
+            return None
+        projections = []
         for layer in spec.layers:
-            if any(_small_batch_weights(p) is None for p in layer.projections):
-                return None
             # the fused norm's weights: the activations' dtype or float32 (Gemma's 1 + w)
             if {layer.input_norm.dtype, layer.post_attention_norm.dtype} - {dtype, torch.float32}:
                 return None
-        if dtype != torch.bfloat16:  # the small-batch kernels' activations
-            return None
-        return cls(spec, dtype)
+            for linear in layer.projections:
+                projection = Projection.of(linear)
+                if projection is None:
+                    return None
+                projections.append(projection)
+        return cls(spec, projections, dtype)
 
     def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (not meta.is_prompt and x.dim() == 3 and x.shape[1] == 1
-                and x.shape[0] <= self.max_rows and x.dtype == self.dtype
-                and meta.block_tables is not None and meta.seq_lens is not None)
+                and x.dtype == self.dtype and meta.block_tables is not None
+                and meta.seq_lens is not None)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[KVCache],
                  meta: AttentionMetadata) -> torch.Tensor:
         rows = x.shape[0]
         cos, sin = rope
+        dense: list[torch.Tensor] = []
+        dense_biases: list[torch.Tensor | None] = []
+        if rows > self.small_rows:
+            dense = [m.packed_weight for m in self.dense]
+            dense_biases = [m.bias for m in self.dense]
         return torch.ops.hpu_serve.decode_layers(
             x, residual, cos.view(rows, -1), sin.view(rows, -1), [k for k, _ in kv_caches],
             [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            self.norms, self.int4, self.bf16, self.biases, self.params, self.windows,
-            self.num_heads, self.num_kv_heads, self.eps, self.scale, self.softcap, self.gelu)
+            self.norms, self.int4, self.bf16, self.small_biases, dense, dense_biases,
+            self.params, self.windows, self.num_heads, self.num_kv_heads, self.eps,
+            self.scale, self.softcap, self.gelu)

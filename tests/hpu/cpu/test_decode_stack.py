@@ -34,7 +34,6 @@ class Counting:
 
     def __init__(self, stack: FusedDecodeStack) -> None:
         self.stack = stack
-        self.max_rows = stack.max_rows
         self.calls = 0
 
     def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -90,19 +89,20 @@ def test_gguf_with_an_fp8_kv_cache(smollm2_gguf) -> None:
     assert calls > 0
 
 
-def test_batches_past_the_kernels_rows_take_the_loop(smollm2_gguf) -> None:
-    """18 sequences: more rows than the int4 kernel serves, so those steps run the loop and
-    the stack only the steps after some sequences finished."""
+def test_batches_past_the_small_kernels_rows_run_onednn_inside(smollm2_gguf) -> None:
+    """18 sequences: more rows than the int4 kernel serves, so the first steps' projections
+    take oneDNN's packed weights inside the stack, the later ones (sequences finished) the
+    int4 codes."""
     folder, name = smollm2_gguf
     llm = LLM(f"{folder}/{name}", max_num_seqs=18, max_model_len=256)
     prompts = [f"Count to {i}." for i in range(18)]
-    params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=4 + i, logprobs=2, ignore_eos=True)
               for i in range(18)]
     stack = llm.engine.runner.model.decode_stack
-    assert stack is not None and stack.max_rows == 16
+    assert isinstance(stack, FusedDecodeStack) and stack.small_rows == 16
     with_stack, with_loop, calls = both_ways(llm, prompts, params)
     assert_same(with_stack, with_loop)
-    assert 0 < calls < 21  # only the steps with at most 16 sequences left
+    assert calls == 4 + 17 - 1  # every decode step
 
 
 @pytest.mark.parametrize("kind", [
@@ -131,10 +131,21 @@ def test_layers_it_does_not_compute_get_no_stack(tiny_model_factory, kind: dict)
     assert llm.engine.runner.model.decode_stack is None
 
 
-def test_float32_and_hooked_layers_get_no_stack(tiny_model_factory) -> None:
+def test_float32_projections_run_onednn_inside(tiny_model_factory) -> None:
+    """float32: no small-batch kernel, every projection on oneDNN's packed weight."""
+    path = tiny_model_factory(model_type="qwen2")[0]
+    llm = LLM(path, dtype="float32", max_num_seqs=4, max_model_len=128, block_size=16)
+    stack = llm.engine.runner.model.decode_stack
+    assert isinstance(stack, FusedDecodeStack) and stack.small_rows == 0
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(7 + i)]}
+               for i in range(3)]
+    with_stack, with_loop, calls = both_ways(llm, prompts, GREEDY)
+    assert_same(with_stack, with_loop)
+    assert calls >= GREEDY.max_tokens - 1
+
+
+def test_hooked_layers_get_no_stack(tiny_model_factory) -> None:
     path = tiny_model_factory()[0]
-    fp32 = LLM(path, dtype="float32", max_num_seqs=2, max_model_len=128, block_size=16)
-    assert fp32.engine.runner.model.decode_stack is None  # no small-batch kernel for fp32
     llm = LLM(path, dtype="bfloat16", max_num_seqs=2, max_model_len=128, block_size=16)
     model = llm.engine.runner.model
     assert model.layer_stack_spec() is not None

@@ -1,13 +1,13 @@
-// torch.ops.hpu_serve.decode_layers: every decoder layer of a small decode step in one call.
+// torch.ops.hpu_serve.decode_layers: every decoder layer of a decode step in one call.
 //
 // Why: at batch 1 the kernels of SmolLM2's 30 layers take ~6 ms, and the Python between them
-// (module calls, views, argument checks, ~9 op dispatches a layer) another ~3 ms. This loop
+// (module calls, views, argument checks, ~9 op dispatches a layer) another ~2.5 ms. This loop
 // makes the same kernel calls, in the same order, with the same arguments, as the Python
 // layer loop of server/models/llama.py with FusedCpuLayerOps, so its results are the same
 // bits; only the Python goes. It serves the plain layer (pre-norm attention, then a gated
-// MLP; no adapters, per-head norms or sandwich norms) and only batches that every projection
-// serves from our small-batch kernels (int4_gemm.cpp, bf16_gemm.cpp): oneDNN's packed
-// weights are opaque tensors that sleep mode replaces, so the stack never holds them.
+// MLP; no adapters, per-head norms or sandwich norms) at one token a sequence, any batch:
+// projections run our small-batch kernels (int4_gemm.cpp, bf16_gemm.cpp) up to their rows
+// and oneDNN's packed GEMM past them, as the modules do.
 //
 // Each kernel is called through its registered op (a typed dispatcher handle looked up once),
 // not its C++ function: the kernels keep their argument checks and stay private to their
@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string_view>
 
 namespace hpu_serve {
 namespace {
@@ -52,6 +53,12 @@ struct Ops {
       attention = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, double, int64_t, double,
                                 int64_t, const OptTensor&)>("hpu_serve::decode_attention");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                      std::string_view, c10::List<std::optional<at::Scalar>>,
+                                      std::optional<std::string_view>)>
+      dense_linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                   std::string_view, c10::List<std::optional<at::Scalar>>,
+                                   std::optional<std::string_view>)>("mkldnn::_linear_pointwise");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
       op<at::Tensor(const at::Tensor&)>("hpu_serve::silu_and_mul");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> gelu_tanh_and_mul =
@@ -65,70 +72,90 @@ const Ops& ops() {
 
 constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
 
-// One projection: int4 codes (then the bias, added as `out + bias` is) or the bf16 kernel's
-// copy (its fp32 bias inside), as SmallBatchInt4Linear / PackedLinear choose for small batches.
-at::Tensor project(const at::Tensor& x, int64_t p, const c10::List<OptTensor>& int4,
-                   const c10::List<OptTensor>& bf16, const c10::List<OptTensor>& biases,
-                   at::IntArrayRef params) {
-  const int64_t out_features = params[2 * p];
-  const OptTensor codes = int4.get(p);
-  const OptTensor bias = biases.get(p);
-  if (codes.has_value()) {
-    at::Tensor out = ops().int4_linear.call(x, *codes, params[2 * p + 1], out_features,
-                                            std::nullopt);
-    return bias.has_value() ? at::add(out, *bias) : out;
+// One projection, as SmallBatchInt4Linear / PackedLinear choose: up to its small-batch rows,
+// int4 codes (then the bias, added as `out + bias` is) or the bf16 kernel's copy (its fp32
+// bias inside); past them oneDNN's packed weight (its epilogue adds the bias).
+struct Projections {
+  const c10::List<OptTensor>& int4;
+  const c10::List<OptTensor>& bf16;
+  const c10::List<OptTensor>& small_biases;
+  at::TensorList dense;
+  const c10::List<OptTensor>& dense_biases;
+  at::IntArrayRef params;  // per projection: output features, int4 group, small-batch rows
+
+  at::Tensor operator()(const at::Tensor& x, int64_t p) const {
+    const int64_t out_features = params[3 * p];
+    if (x.size(0) > params[3 * p + 2]) {
+      TORCH_CHECK(static_cast<int64_t>(dense.size()) > p,
+                  "decode_layers: a batch past the small-batch rows needs the dense weights");
+      return ops().dense_linear.call(x, dense[p], dense_biases.get(p), "none",
+                                     c10::List<std::optional<at::Scalar>>(), "");
+    }
+    const OptTensor codes = int4.get(p);
+    const OptTensor bias = small_biases.get(p);
+    if (codes.has_value()) {
+      at::Tensor out = ops().int4_linear.call(x, *codes, params[3 * p + 1], out_features,
+                                              std::nullopt);
+      return bias.has_value() ? at::add(out, *bias) : out;
+    }
+    const OptTensor weight = bf16.get(p);
+    TORCH_CHECK(weight.has_value(), "projection ", p, " has no small-batch weight");
+    return ops().bf16_linear.call(x, *weight, bias, out_features, std::nullopt);
   }
-  const OptTensor weight = bf16.get(p);
-  TORCH_CHECK(weight.has_value(), "projection ", p, " has neither int4 codes nor a bf16 copy");
-  return ops().bf16_linear.call(x, *weight, bias, out_features, std::nullopt);
-}
+};
 
 // x [rows, 1, hidden]: the embeddings (the first layer's input, on a zero residual stream);
 // residual: the stream, updated in place; cos / sin [rows, rotary_dim]; per layer i:
 // k_caches[i], v_caches[i], norms[2i] (input) and norms[2i + 1] (post-attention), windows[i]
-// (0: none) and the projections 4i .. 4i + 3 (qkv, o, gate_up, down), each int4 codes or a
-// bf16 copy, with params[2p] its output features and params[2p + 1] its int4 group size.
-// Returns the last layer's MLP output, x's shape.
+// (0: none) and the projections 4i .. 4i + 3 (qkv, o, gate_up, down), each with its
+// small-batch weight (int4 codes or a bf16 copy, or none) and, where a batch can exceed
+// that, its oneDNN weight (dense: empty when no projection needs it). Returns the last
+// layer's MLP output, x's shape.
 at::Tensor decode_layers(const at::Tensor& x, at::Tensor& residual, const at::Tensor& cos,
                          const at::Tensor& sin, at::TensorList k_caches,
                          at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          at::TensorList norms, const c10::List<OptTensor>& int4,
                          const c10::List<OptTensor>& bf16, const c10::List<OptTensor>& biases,
+                         at::TensorList dense, const c10::List<OptTensor>& dense_biases,
                          at::IntArrayRef params, at::IntArrayRef windows, int64_t num_heads,
                          int64_t num_kv_heads, double eps, double scale, double softcap,
                          bool gelu) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
+  const int64_t projections = kProjections * layers;
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(norms.size()) == 2 * layers &&
                   static_cast<int64_t>(windows.size()) == layers &&
-                  static_cast<int64_t>(int4.size()) == kProjections * layers &&
-                  static_cast<int64_t>(bf16.size()) == kProjections * layers &&
-                  static_cast<int64_t>(biases.size()) == kProjections * layers &&
-                  static_cast<int64_t>(params.size()) == 2 * kProjections * layers,
+                  static_cast<int64_t>(int4.size()) == projections &&
+                  static_cast<int64_t>(bf16.size()) == projections &&
+                  static_cast<int64_t>(biases.size()) == projections &&
+                  (dense.empty() || static_cast<int64_t>(dense.size()) == projections) &&
+                  dense_biases.size() == dense.size() &&
+                  static_cast<int64_t>(params.size()) == 3 * projections,
               "decode_layers: per-layer lists of inconsistent lengths");
   TORCH_CHECK(x.dim() >= 2 && x.sizes() == residual.sizes() && residual.is_contiguous(),
               "x and residual must be [rows, ..., hidden], residual contiguous");
   const int64_t hidden = x.size(-1);
   const int64_t rows = x.numel() / hidden;
+  const Projections project{int4, bf16, biases, dense, dense_biases, params};
   at::Tensor stream = residual.view({rows, hidden});  // in place, as the caller's tensor
   at::Tensor h = x.reshape({rows, hidden}).contiguous();
   const Ops& k = ops();
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t p = kProjections * i;
     at::Tensor normed = k.add_rms_norm.call(stream, h, norms[2 * i], eps);
-    at::Tensor qkv = project(normed, p, int4, bf16, biases, params);
+    at::Tensor qkv = project(normed, p);
     at::Tensor k_cache = k_caches[i];
     at::Tensor v_cache = v_caches[i];
     k.rotary.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
     at::Tensor query = qkv.view({rows, num_heads + 2 * num_kv_heads, -1}).narrow(1, 0, num_heads);
     at::Tensor attn = k.attention.call(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                        windows[i], softcap, 0, std::nullopt);
-    at::Tensor out = project(attn.view({rows, -1}), p + 1, int4, bf16, biases, params);
+    at::Tensor out = project(attn.view({rows, -1}), p + 1);
     normed = k.add_rms_norm.call(stream, out, norms[2 * i + 1], eps);
-    at::Tensor gate_up = project(normed, p + 2, int4, bf16, biases, params);
+    at::Tensor gate_up = project(normed, p + 2);
     at::Tensor act = gelu ? k.gelu_tanh_and_mul.call(gate_up) : k.silu_and_mul.call(gate_up);
-    h = project(act, p + 3, int4, bf16, biases, params);
+    h = project(act, p + 3);
   }
   return h.view(x.sizes());
 }
@@ -141,8 +168,13 @@ TORCH_LIBRARY_FRAGMENT(hpu_serve, m) {
       "decode_layers(Tensor x, Tensor(a!) residual, Tensor cos, Tensor sin, "
       "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor[] norms, Tensor?[] int4, Tensor?[] bf16, Tensor?[] biases, "
-      "int[] params, int[] windows, int num_heads, int num_kv_heads, float eps, float scale, "
+      "Tensor[] dense, Tensor?[] dense_biases, int[] params, int[] windows, int num_heads, int num_kv_heads, float eps, float scale, "
       "float softcap, bool gelu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hpu_serve, CPU, m) { m.impl("decode_layers", &hpu_serve::decode_layers); }
+
+// oneDNN's packed weights (opaque MkldnnCPU tensors) among the arguments pick this key
+TORCH_LIBRARY_IMPL(hpu_serve, MkldnnCPU, m) {
+  m.impl("decode_layers", &hpu_serve::decode_layers);
+}
