@@ -27,7 +27,12 @@ from execution_modes import decode_step_ms
 from torch import nn
 
 from server import LLM
-from server.hpu.cpu.linear import PackedLinear, SmallBatchInt4Linear, packing_supported
+from server.hpu.cpu.linear import (
+    PackedLinear,
+    SmallBatchInt4Linear,
+    SmallBatchQ8Linear,
+    packing_supported,
+)
 
 
 def best_time(fn, repeat: int) -> float:
@@ -66,13 +71,15 @@ def read_bandwidth_gbs(mib: int = 512) -> float:
 
 
 def batch1_weight_bytes(model: nn.Module, element: int) -> int:
-    """Bytes of weights one batch-1 decode step reads: 4-bit codes + scales where a layer
-    serves small batches from them, the dense weight elsewhere."""
+    """Bytes of weights one batch-1 decode step reads: 4-bit (or a Q8_0 head's 8-bit) codes +
+    scales where a layer serves small batches from them, the dense weight elsewhere."""
     int4 = [m for m in model.modules() if isinstance(m, SmallBatchInt4Linear)]
-    wrapped = {id(m.dense) for m in int4}
+    q8 = [m for m in model.modules() if isinstance(m, SmallBatchQ8Linear)]  # a Q8_0 head
+    wrapped = {id(m.dense) for m in int4 + q8}
     total = sum(t.numel() * t.element_size() for m in int4
                 for t in ((m.packed.weight,) if m.packed is not None  # our kernel's blocks
                           else (m.int4_weight, m.scale_zero)))
+    total += sum(m.packed.weight.numel() for m in q8)
     for m in model.modules():
         if isinstance(m, (PackedLinear, nn.Linear)) and id(m) not in wrapped:
             total += (m.weight_numel if isinstance(m, PackedLinear) else m.weight.numel()) * element

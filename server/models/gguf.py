@@ -24,10 +24,13 @@ from server.models.gguf_check import check_gguf
 from server.models.gguf_families import deepseek2_fields, gpt_oss_fields, qwen3next_fields
 from server.models.gguf_quants import (  # noqa: F401  (re-exported: the loader's one import)
     GROUP_SIZE,
+    HEAD,
     INT4_TYPES,
     Int4Weight,
+    Q8Weight,
     dequantized_only,
     read_int4_weights,
+    read_q8_head,
     split_blocks,
     tensor_types,
 )

@@ -8,10 +8,13 @@ The kernel's convention is ``w = (q - 8) * scale + zero`` with ``q`` in 0..15 an
 - Q4_K, super-blocks of 256 = 8 sub-blocks of 32, each ``d * sc_j * q - dmin * m_j`` with
   6-bit ``sc_j`` / ``m_j`` -> scale ``d * sc_j``, zero ``8 d sc_j - dmin m_j``.
 
+A Q8_0 LM head (``output.weight``, or ``token_embd.weight`` when the embeddings are tied),
+``d * q`` with int8 ``q`` per block of 32, is kept as its codes too, for our Q8_0 kernel (the
+CPU backend's ``q8_pack.py``): it is the largest single read of a small decode step.
+
 Other types are served from the dequantized copy only: Q5_0/Q5_1/Q5_K and Q6_K have 5- and
-6-bit codes, and Q8_0's per-32 scales do not fit torch's int8 weight-only kernel, whose
-scales are per output channel. Expert tensors (MoE) are dequantized too: moe.py runs dense
-stacked weights.
+6-bit codes, and Q8_0 linear layers inside the blocks run dense. Expert tensors (MoE) are
+dequantized too: moe.py runs dense stacked weights.
 """
 
 from __future__ import annotations
@@ -56,6 +59,21 @@ class Int4Weight:
         scale = self.scale.repeat_interleave(GROUP_SIZE, dim=1)
         zero = self.zero.repeat_interleave(GROUP_SIZE, dim=1)
         return (self.codes.float() - 8) * scale + zero
+
+
+@dataclass(slots=True)
+class Q8Weight:
+    """A linear layer's weight as GGUF Q8_0 codes: ``codes`` int8 ``[N, K]``, ``scale``
+    float32 ``[N, K // 32]``; ``w = codes * scale``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale.repeat_interleave(GROUP_SIZE, dim=1)
+
+
+HEAD = "lm_head"  # the module name a Q8_0 head's codes are keyed by
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -105,6 +123,28 @@ def split_blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, ...]:
     return codes.reshape(rows, -1), d, zero
 
 
+def split_q8_0(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw Q8_0 rows ``[N, bytes]`` (per block of 32: an fp16 ``d``, then 32 int8 codes) ->
+    codes int8 ``[N, K]`` and scale float32 ``[N, K // 32]``."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 34)
+    codes = blocks[..., 2:].copy().view(np.int8)
+    return codes.reshape(rows, -1), _f16(blocks[..., 0:2])
+
+
+def read_q8_head(reader: Any, cfg: ModelConfig) -> Q8Weight | None:
+    """The LM head as Q8_0 codes, where the file stores it so: ``output.weight``, or the tied
+    ``token_embd.weight``; None otherwise."""
+    tensors = {t.name: t for t in reader.tensors}
+    head = tensors.get("output.weight")
+    if head is None and cfg.tie_word_embeddings:
+        head = tensors.get("token_embd.weight")
+    if head is None or head.tensor_type.name != "Q8_0":
+        return None
+    codes, scale = split_q8_0(np.asarray(head.data))
+    return Q8Weight(torch.from_numpy(codes), torch.from_numpy(scale))
+
+
 def read_int4_weights(reader: Any, cfg: ModelConfig) -> dict[str, Int4Weight]:
     """Module name (``layers.3.mlp.down_proj``) -> its weight, for every linear layer whose
     shards are all Q4_0/Q4_1/Q4_K in the file; layers with any other shard type are left
@@ -143,16 +183,18 @@ def tensor_types(reader: Any) -> Counter[str]:
     return Counter(t.tensor_type.name for t in reader.tensors)
 
 
-def dequantized_only(reader: Any, cfg: ModelConfig, weights: dict[str, Int4Weight]
-                     ) -> Counter[str]:
-    """Quantized tensors (by type) that no int4 weight came from: served from their
+def dequantized_only(reader: Any, cfg: ModelConfig,
+                     weights: dict[str, Int4Weight | Q8Weight]) -> Counter[str]:
+    """Quantized tensors (by type) that no kept codes came from: served from their
     dequantized copy only (other types, experts, embeddings and head, or a layer with a
     shard in another type)."""
     names = block_names(cfg)
     counts: Counter[str] = Counter()
+    head = "output.weight" if any(t.name == "output.weight" for t in reader.tensors) \
+        else "token_embd.weight"
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind in ("F32", "F16", "BF16"):
+        if kind in ("F32", "F16", "BF16") or (t.name == head and HEAD in weights):
             continue
         parsed = parse_block_tensor(t.name, names)
         fused = _FUSED_MODULES.get(parsed[2]) if parsed is not None else None

@@ -23,13 +23,16 @@ from server.hpu.distributed import SINGLE, ParallelContext
 from server.models.config import ModelConfig
 from server.models.errors import MissingModelFileError, model_file_error
 from server.models.gguf import (
+    HEAD,
     INT4_TYPES,
     Int4Weight,
+    Q8Weight,
     dequantized_only,
     dequantized_tensors,
     gguf_model_config,
     open_gguf,
     read_int4_weights,
+    read_q8_head,
     tensor_types,
 )
 from server.models.gpt_oss import gpt_oss_tensors
@@ -287,17 +290,24 @@ class VisionSplit:
                                             else tensor[:])  # type: ignore[index]
 
 
-def load_int4_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, Int4Weight]:
-    """The Q4_0/Q4_1/Q4_K linear weights of a GGUF checkpoint as 4-bit codes ({}
-    otherwise); logs which quantized tensors are served from their dequantized copy only."""
+def load_int4_weights(source: ModelSource, cfg: ModelConfig
+                      ) -> dict[str, Int4Weight | Q8Weight]:
+    """The Q4_0/Q4_1/Q4_K linear weights of a GGUF checkpoint as 4-bit codes, and a Q8_0 LM
+    head as its 8-bit codes (under ``lm_head``) ({} otherwise); logs which quantized tensors
+    are served from their dequantized copy only."""
     if not source.is_gguf:
         return {}
     start = time.monotonic()
     reader = _gguf_reader(source)
-    weights = read_int4_weights(reader, cfg)
+    weights: dict[str, Int4Weight | Q8Weight] = dict(read_int4_weights(reader, cfg))
+    layers = len(weights)
+    head = read_q8_head(reader, cfg)
+    if head is not None:
+        weights[HEAD] = head
     rest = dequantized_only(reader, cfg, weights)
-    logger.info("Read the 4-bit codes (%s) of %d linear layers in %.1f s; served from the "
-                "dequantized copy only: %s", "/".join(INT4_TYPES), len(weights),
+    logger.info("Read the 4-bit codes (%s) of %d linear layers%s in %.1f s; served from the "
+                "dequantized copy only: %s", "/".join(INT4_TYPES), layers,
+                " and the Q8_0 LM head's codes" if head is not None else "",
                 time.monotonic() - start,
                 ", ".join(f"{n} {k} tensors" for k, n in sorted(rest.items())) or "none",)
     if any(k not in INT4_TYPES for k in rest):

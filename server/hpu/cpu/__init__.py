@@ -30,8 +30,11 @@ from server.hpu.cpu.linear import (
     bf16_max_rows,
     int4_max_rows,
     int4_supported,
+    is_q8,
     pack_linear_layers,
+    q8_max_rows,
 )
+from server.hpu.cpu.q8_pack import q8_kernel_available
 from server.hpu.layer_ops import TorchLayerOps
 
 logger = logging.getLogger(__name__)
@@ -48,11 +51,14 @@ def prepare_model(model: torch.nn.Module, *, use_kernels: bool,
     kernels = (dtype in FusedCpuLayerOps.dtypes and use_kernels
                and load_cpu_kernels(cache_dir / "kernels"))
     codes = int4_weights() if int4_weights is not None and int4_supported(dtype) else {}
+    ours = bool(kernels) and int4_kernel_available()
+    if not (kernels and q8_kernel_available()):  # Q8_0 codes: our kernel or none
+        codes = {name: w for name, w in codes.items() if not is_q8(w)}
     small_rows = bf16_max_rows(decode_query) if kernels and bf16_kernel_available() else 0
     pack_linear_layers(model, small_rows, skip_small=codes.keys())
     if codes:
-        ours = kernels and int4_kernel_available()
-        attach_int4_weights(model, codes, int4_max_rows(decode_query, ours), dtype, ours)
+        attach_int4_weights(model, codes, int4_max_rows(decode_query, ours), dtype, ours,
+                            q8_max_rows(decode_query))
     if dtype not in FusedCpuLayerOps.dtypes:
         logger.info("Fused CPU kernels serve float32 / bfloat16 only: %s runs PyTorch ops",
                     str(dtype).replace("torch.", ""))

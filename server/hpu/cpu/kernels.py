@@ -33,7 +33,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "layer_kernels.cpp", CSRC / "paged_attention.cpp",
            CSRC / "paged_attention_fp8.cpp", CSRC / "lora_kernels.cpp",
            CSRC / "encoder_attention.cpp", CSRC / "prefill_attention.cpp",
-           CSRC / "int4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "decode_stack.cpp")
+           CSRC / "int4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "q8_gemm.cpp",
+           CSRC / "decode_stack.cpp")
 HEADERS = (CSRC / "kernel_utils.h", CSRC / "paged_attention.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-DNDEBUG", "-std=c++17", "-fPIC")

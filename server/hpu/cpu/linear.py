@@ -18,6 +18,7 @@ from torch import nn
 
 from server.hpu.cpu.bf16_pack import PackedBf16, bf16_linear, pack_bf16
 from server.hpu.cpu.int4_pack import PackedInt4, int4_linear, pack_int4
+from server.hpu.cpu.q8_pack import pack_q8, q8_linear
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ INT4_KERNEL_MAX_ROWS = 16
 # vs oneDNN's 12.6 ms at 1 row, 10.7 vs 14.2 at 8; the LM head (49152 x 576) ties at 1 row
 # and loses from 12.
 BF16_KERNEL_MAX_ROWS = 8
+# Largest batch served from a Q8_0 LM head's codes (csrc/q8_gemm.cpp). SmolLM2's head
+# (49152 x 576), 2 threads: 0.72 ms against the bf16 kernel's 1.85 and oneDNN's 1.83 at 1
+# row, 1.22 vs 1.81 at 4, a tie at 8, slower past it (two products per code and row).
+Q8_KERNEL_MAX_ROWS = 8
 
 
 def int4_max_rows(decode_query: int, kernel: bool = False) -> int:
@@ -48,6 +53,11 @@ def bf16_max_rows(decode_query: int) -> int:
     """Rows served by the bf16 small-batch kernel: one pass's worth, or one sequence's
     verify step if that is larger (its rows then scored with plain decoding's numerics)."""
     return max(BF16_KERNEL_MAX_ROWS, decode_query)
+
+
+def q8_max_rows(decode_query: int) -> int:
+    """Rows served from Q8_0 codes: the crossover, or one sequence's verify step."""
+    return max(Q8_KERNEL_MAX_ROWS, decode_query)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -194,15 +204,52 @@ class SmallBatchInt4Linear(nn.Module):
                 f"int4 ({kernel}) up to {self.max_rows} rows")
 
 
+class SmallBatchQ8Linear(nn.Module):
+    """A packed dense linear plus the same weight as GGUF Q8_0 codes (int8, one scale per 32
+    inputs), used for batches of up to ``max_rows`` rows by our kernel (csrc/q8_gemm.cpp):
+    a GGUF's Q8_0 LM head, read as 32 MB of codes a step instead of a 57 MB bf16 copy
+    (SmolLM2). Its rows, like the int4 kernel's, do not depend on the batch."""
+
+    def __init__(self, dense: nn.Module, codes: torch.Tensor, scale: torch.Tensor,
+                 max_rows: int) -> None:
+        super().__init__()
+        self.dense = dense
+        self.in_features = dense.in_features
+        self.out_features = dense.out_features
+        self.max_rows = max_rows
+        self.packed = pack_q8(codes, scale)
+        self.bias = dense.bias
+        self.weight_numel = getattr(dense, "weight_numel", self.in_features * self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.max_rows:
+            return self.dense(x)
+        out = q8_linear(x.reshape(rows, self.in_features).contiguous(), self.packed)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"Q8_0 (hpu_serve) up to {self.max_rows} rows")
+
+
 def int4_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def is_q8(weight: Int4Codes) -> bool:
+    """GGUF Q8_0 codes (int8, ``w = codes * scale``) rather than 4-bit ones (uint8)."""
+    return weight.codes.dtype == torch.int8
+
+
 def attach_int4_weights(model: nn.Module, weights: Mapping[str, Int4Codes], max_rows: int,
-                        dtype: torch.dtype, kernel: bool = False) -> int:
+                        dtype: torch.dtype, kernel: bool = False, q8_rows: int = 0) -> int:
     """Give each named linear of ``model`` its int4 codes for batches of up to ``max_rows``
-    rows, run by our kernel if ``kernel`` else aten's; returns how many got them (0 where
-    aten's kernel or the dtype is missing)."""
+    rows, run by our kernel if ``kernel`` else aten's, and a Q8_0 LM head its 8-bit codes
+    for up to ``q8_rows`` (our kernel only; the caller leaves them out otherwise); returns
+    how many got them (0 where aten's kernel or the dtype is missing)."""
     if not weights or not int4_supported(dtype):
         return 0
     for name, weight in weights.items():
@@ -210,12 +257,19 @@ def attach_int4_weights(model: nn.Module, weights: Mapping[str, Int4Codes], max_
         parent = model.get_submodule(parent_name) if parent_name else model
         dense = getattr(parent, attr)
         if tuple(weight.codes.shape) != (dense.out_features, dense.in_features):
-            raise ValueError(f"{name}: int4 codes {tuple(weight.codes.shape)} do not match "
+            raise ValueError(f"{name}: codes {tuple(weight.codes.shape)} do not match "
                              f"the layer ({dense.out_features}, {dense.in_features})")
+        if is_q8(weight):
+            setattr(parent, attr, SmallBatchQ8Linear(dense, weight.codes, weight.scale,
+                                                     q8_rows))
+            logger.info("%s: the checkpoint's Q8_0 codes for batches of up to %d rows "
+                        "(hpu_serve Q8_0 kernel)", name, q8_rows)
+            continue
         group_size = weight.codes.shape[1] // weight.scale.shape[1]
         setattr(parent, attr, SmallBatchInt4Linear(dense, weight, group_size, max_rows, dtype,
                                                    kernel))
+    int4 = sum(not is_q8(w) for w in weights.values())
     logger.info("%d linear layers also hold their checkpoint's 4-bit weights, used for "
-                "batches of up to %d rows (%s int4 kernel)", len(weights), max_rows,
+                "batches of up to %d rows (%s int4 kernel)", int4, max_rows,
                 "hpu_serve" if kernel else "aten")
     return len(weights)
