@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -31,7 +32,7 @@ import httpx
 from server.bench.cli import load_tokenizer
 from server.bench.client import Endpoint
 from server.bench.runner import discover_model, run_workload
-from server.bench.workload import WorkloadSpec, synthetic_requests
+from server.bench.workload import BenchRequest, WorkloadSpec, synthetic_requests
 from server.models.loader import resolve_model_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,8 +233,28 @@ def thread_envs(threads: int, kv_cache_gib: int, pin: bool = True
     return ours, {**ours, "VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
-def bench_once(server: Server, requests, concurrency: int) -> dict:
-    endpoint = Endpoint(server.url, server.model or "", ignore_eos=server.ignore_eos,
+INSTRUCTION = "Write a short story that uses these words: "
+
+
+def word_requests(tokenizer, n: int, words: int, output_len: int, seed: int
+                  ) -> list[BenchRequest]:
+    """An instruction plus ``words`` words drawn at random from the tokenizer's whole-word
+    entries (lowercase, 3+ letters): prompts of English-looking text, for the chat endpoint,
+    unlike the random-token ones."""
+    vocab = sorted({w.strip() for w in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size))
+                    if w.startswith(" ") and w.strip().isalpha() and w.strip().islower()
+                    and len(w.strip()) >= 3})
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        text = INSTRUCTION + " ".join(rng.choice(vocab) for _ in range(words))
+        requests.append(BenchRequest(text, len(tokenizer.encode(text, add_special_tokens=False)),
+                                     output_len))
+    return requests
+
+
+def bench_once(server: Server, requests, concurrency: int, api: str = "completions") -> dict:
+    endpoint = Endpoint(server.url, server.model or "", api, ignore_eos=server.ignore_eos,
                         extra_body=server.extra_body)
     asyncio.run(run_workload(endpoint, requests[:1], progress=False))  # untimed warm request
     summary, _ = asyncio.run(run_workload(endpoint, requests, max_concurrency=concurrency,
@@ -277,6 +298,13 @@ def main() -> None:
                              "builds, else llama-server on PATH)")
     parser.add_argument("--hpu-serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra flags for hpu-serve (must come last)")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                        help="the API the workload goes through (chat: the server applies "
+                             "the model's chat template)")
+    parser.add_argument("--word-prompts", type=int, default=0, metavar="WORDS",
+                        help="prompts of an instruction plus WORDS random whole-word "
+                             "vocabulary entries instead of random tokens (--input-len and "
+                             "--shared-prefix-len are then unused)")
     parser.add_argument("--result-file", default="compare-results.json")
     args = parser.parse_args()
 
@@ -305,12 +333,17 @@ def main() -> None:
         for rnd in range(args.rounds):
             for conc in args.concurrency:
                 n = max(4, int(args.prompts_per_concurrency * conc))
-                spec = WorkloadSpec(n, args.input_len, args.output_len, seed=rnd * 1000 + conc,
-                                    shared_prefix_len=args.shared_prefix_len)
-                requests = synthetic_requests(spec, tokenizer, special)
+                seed = rnd * 1000 + conc
+                if args.word_prompts:
+                    requests = word_requests(tokenizer, n, args.word_prompts, args.output_len,
+                                             seed)
+                else:
+                    spec = WorkloadSpec(n, args.input_len, args.output_len, seed=seed,
+                                        shared_prefix_len=args.shared_prefix_len)
+                    requests = synthetic_requests(spec, tokenizer, special)
                 order = servers if (rnd + conc) % 2 == 0 else servers[::-1]  # A/B, B/A
                 for server in order:
-                    r = bench_once(server, requests, conc)
+                    r = bench_once(server, requests, conc, args.endpoint)
                     results[server.name][conc].append(r)
                     print(f"round {rnd} conc {conc:>3} {server.name:<24} "
                           f"{r['output_throughput']:8.1f} tok/s  ITL p50 "

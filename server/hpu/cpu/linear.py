@@ -152,7 +152,31 @@ class Int4Codes(Protocol):
     zero: torch.Tensor
 
 
-class SmallBatchInt4Linear(nn.Module):
+class CodesLinear(nn.Module):
+    """A packed dense linear (``dense``) plus the same weight as the checkpoint's own codes,
+    which serve batches of up to ``max_rows`` rows (``small_batch``: ``[rows, in]`` ->
+    ``[rows, out]``, the bias added after); bigger batches run the dense GEMM."""
+
+    dense: nn.Module
+    in_features: int
+    out_features: int
+    max_rows: int
+    bias: torch.Tensor | None
+
+    def small_batch(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.max_rows:
+            return self.dense(x)
+        out = self.small_batch(x.reshape(rows, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class SmallBatchInt4Linear(CodesLinear):
     """A packed dense linear plus the same weight as int4 codes, used for small batches.
 
     Decode at a few rows is bound by reading weights: the int4 codes are a quarter of the
@@ -184,19 +208,11 @@ class SmallBatchInt4Linear(nn.Module):
         self.bias = dense.bias
         self.weight_numel = getattr(dense, "weight_numel", self.in_features * self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows > self.max_rows:
-            return self.dense(x)
-        flat = x.reshape(rows, self.in_features)
+    def small_batch(self, flat: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            out = int4_linear(flat.contiguous(), self.packed)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, self.int4_weight, self.group_size, self.scale_zero)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+            return int4_linear(flat.contiguous(), self.packed)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.int4_weight,
+                                                          self.group_size, self.scale_zero)
 
     def extra_repr(self) -> str:
         kernel = "hpu_serve" if self.packed is not None else "aten"
@@ -204,7 +220,7 @@ class SmallBatchInt4Linear(nn.Module):
                 f"int4 ({kernel}) up to {self.max_rows} rows")
 
 
-class SmallBatchQ8Linear(nn.Module):
+class SmallBatchQ8Linear(CodesLinear):
     """A packed dense linear plus the same weight as GGUF Q8_0 codes (int8, one scale per 32
     inputs), used for batches of up to ``max_rows`` rows by our kernel (csrc/q8_gemm.cpp):
     a GGUF's Q8_0 LM head, read as 32 MB of codes a step instead of a 57 MB bf16 copy
@@ -221,14 +237,8 @@ class SmallBatchQ8Linear(nn.Module):
         self.bias = dense.bias
         self.weight_numel = getattr(dense, "weight_numel", self.in_features * self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows > self.max_rows:
-            return self.dense(x)
-        out = q8_linear(x.reshape(rows, self.in_features).contiguous(), self.packed)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+    def small_batch(self, flat: torch.Tensor) -> torch.Tensor:
+        return q8_linear(flat.contiguous(), self.packed)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

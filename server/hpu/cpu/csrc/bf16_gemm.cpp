@@ -79,20 +79,6 @@ void tile_rows(const Problem& p, int64_t row0, int64_t t, O* out) {
   }
 }
 
-template <typename O>
-void rows_dispatch(const Problem& p, int64_t row0, int64_t rows, int64_t t, O* out) {
-  switch (rows) {
-    case 1: return tile_rows<1, O>(p, row0, t, out);
-    case 2: return tile_rows<2, O>(p, row0, t, out);
-    case 3: return tile_rows<3, O>(p, row0, t, out);
-    case 4: return tile_rows<4, O>(p, row0, t, out);
-    case 5: return tile_rows<5, O>(p, row0, t, out);
-    case 6: return tile_rows<6, O>(p, row0, t, out);
-    case 7: return tile_rows<7, O>(p, row0, t, out);
-    default: return tile_rows<8, O>(p, row0, t, out);
-  }
-}
-
 // out_dtype float32 returns the fp32 accumulators unrounded (tests and logits).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, int64_t out_features,
@@ -134,7 +120,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
       // bytes), not from memory again
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t r = 0; r < rows; r += kMaxRows) {
-          rows_dispatch(p, r, std::min(kMaxRows, rows - r), t, op);
+          dispatch_rows(std::min(kMaxRows, rows - r),
+                        [&](auto m) { tile_rows<decltype(m)::value>(p, r, t, op); });
         }
       }
     });

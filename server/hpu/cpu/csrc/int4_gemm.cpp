@@ -48,19 +48,6 @@ namespace {
 constexpr int64_t kTile = 16;    // output columns per vector
 constexpr int64_t kMaxRows = 8;  // rows per pass over the weight (register budget)
 
-inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
-#ifdef __AVX512F__
-  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
-                                                  reinterpret_cast<__m512>(b),
-                                                  reinterpret_cast<__m512>(c)));
-#else
-  for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
-  return c;
-#endif
-}
-
-inline f32x16 splat(float v) { return f32x16{} + v; }
-
 // 32 code bytes -> two vectors of bf16 (q - 8): the low nibbles (inputs 4r, 4r + 1) and the
 // high ones (4r + 2, 4r + 3), exact on every path.
 inline void decode_quad(const uint8_t* bytes, u16x32& lo, u16x32& hi) {
@@ -136,21 +123,6 @@ void rows_pass(const Problem& p, int64_t row0, int64_t begin, int64_t end, O* ou
   for (int64_t t = begin; t < end; ++t) tile_rows<M>(p, row0, t, out);
 }
 
-template <typename O>
-void rows_dispatch(const Problem& p, int64_t row0, int64_t rows, int64_t begin, int64_t end,
-                   O* out) {
-  switch (rows) {
-    case 1: return rows_pass<1, O>(p, row0, begin, end, out);
-    case 2: return rows_pass<2, O>(p, row0, begin, end, out);
-    case 3: return rows_pass<3, O>(p, row0, begin, end, out);
-    case 4: return rows_pass<4, O>(p, row0, begin, end, out);
-    case 5: return rows_pass<5, O>(p, row0, begin, end, out);
-    case 6: return rows_pass<6, O>(p, row0, begin, end, out);
-    case 7: return rows_pass<7, O>(p, row0, begin, end, out);
-    default: return rows_pass<8, O>(p, row0, begin, end, out);
-  }
-}
-
 // Bytes of one (tile, group) block: the codes, then Z vectors of 16 floats.
 int64_t block_bytes(int64_t group, int64_t z) { return group / 4 * 2 * kTile + z * kTile * 4; }
 
@@ -177,7 +149,8 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t gro
   O* op = out.data_ptr<O>();
   at::parallel_for(0, weight.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < rows; r += kMaxRows) {
-      rows_dispatch(p, r, std::min(kMaxRows, rows - r), begin, end, op);
+      dispatch_rows(std::min(kMaxRows, rows - r),
+                    [&](auto m) { rows_pass<decltype(m)::value>(p, r, begin, end, op); });
     }
   });
 }

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace hpu_serve {
@@ -163,6 +164,35 @@ inline f32x16 dot_pair(f32x16 part, u16x32 w, uint32_t x_pair) {
   }
   return part;
 #endif
+}
+
+inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#ifdef __AVX512F__
+  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                  reinterpret_cast<__m512>(b),
+                                                  reinterpret_cast<__m512>(c)));
+#else
+  for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
+#endif
+}
+
+inline f32x16 splat(float v) { return f32x16{} + v; }
+
+// The small-batch GEMMs' row count as a compile-time constant: f(std::integral_constant<int,
+// M>{}) for M = rows, 1 to 8 (8 past it: a pass holds at most 8 rows' accumulators).
+template <typename F>
+inline void dispatch_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
 }
 
 // A linear's output shape: x's, with out_features last.

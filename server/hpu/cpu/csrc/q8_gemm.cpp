@@ -43,19 +43,6 @@ constexpr int64_t kCodes = kGroup * kTile;         // code bytes per block
 constexpr int64_t kBlock = kCodes + kTile * 4;     // + 16 float32 scales
 constexpr int64_t kMaxRows = 8;   // rows per pass over the weight (register budget)
 
-inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
-#ifdef __AVX512F__
-  return reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
-                                                  reinterpret_cast<__m512>(b),
-                                                  reinterpret_cast<__m512>(c)));
-#else
-  for (int l = 0; l < 16; ++l) c[l] = std::fma(a[l], b[l], c[l]);
-  return c;
-#endif
-}
-
-inline f32x16 splat(float v) { return f32x16{} + v; }
-
 // bf16 bits of the nibbles: low (0..15) and signed high (-8..7), each table 32 entries long
 // (vpermw reads an index's low 5 bits: repeated, the low nibble needs no mask).
 struct NibbleTables {
@@ -135,21 +122,6 @@ void rows_pass(const Problem& p, int64_t row0, int64_t begin, int64_t end, O* ou
 }
 
 template <typename O>
-void rows_dispatch(const Problem& p, int64_t row0, int64_t rows, int64_t begin, int64_t end,
-                   O* out) {
-  switch (rows) {
-    case 1: return rows_pass<1, O>(p, row0, begin, end, out);
-    case 2: return rows_pass<2, O>(p, row0, begin, end, out);
-    case 3: return rows_pass<3, O>(p, row0, begin, end, out);
-    case 4: return rows_pass<4, O>(p, row0, begin, end, out);
-    case 5: return rows_pass<5, O>(p, row0, begin, end, out);
-    case 6: return rows_pass<6, O>(p, row0, begin, end, out);
-    case 7: return rows_pass<7, O>(p, row0, begin, end, out);
-    default: return rows_pass<8, O>(p, row0, begin, end, out);
-  }
-}
-
-template <typename O>
 void q8_linear_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out) {
   const int64_t k = x.size(-1);
   const int64_t rows = x.numel() / k;
@@ -158,7 +130,8 @@ void q8_linear_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& o
   O* op = out.data_ptr<O>();
   at::parallel_for(0, weight.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < rows; r += kMaxRows) {
-      rows_dispatch(p, r, std::min(kMaxRows, rows - r), begin, end, op);
+      dispatch_rows(std::min(kMaxRows, rows - r),
+                    [&](auto m) { rows_pass<decltype(m)::value>(p, r, begin, end, op); });
     }
   });
 }
