@@ -159,18 +159,33 @@ class DecoderLayer(nn.Module):
             x = x * self.residual_multiplier
         return x, residual
 
-    def plain(self) -> bool:
-        """Pre-norm attention then a gated MLP and nothing else: the layer a backend's
-        one-call decode loop computes (see LlamaForCausalLM.layer_stack_spec)."""
+    def stack_layer(self) -> StackLayer | None:
+        """This layer as a backend's one-call decode loop takes it (layer_stack.py): pre-norm
+        attention then a gated MLP, with q/k norms, sandwich norms and a local RoPE table
+        where the family has them; None where it has anything else (adapters, sinks, latent
+        attention, experts, a residual multiplier, hooks)."""
         attn, mlp = self.self_attn, self.mlp
-        modules = (self, attn, mlp, self.input_layernorm, self.post_attention_layernorm)
-        return (type(attn) is Attention and type(mlp) is MLP and attn.lora is None
-                and mlp.lora is None and attn.q_norm is None and attn.sinks is None
-                and not self.sandwich and not self.local_rope
-                and self.residual_multiplier == 1.0
-                and type(self.input_layernorm) is RMSNorm
-                and type(self.post_attention_layernorm) is RMSNorm
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+        if type(attn) is not Attention or type(mlp) is not MLP:
+            return None
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        if self.sandwich:
+            norms += [self.pre_feedforward_layernorm, self.post_feedforward_layernorm]
+        if attn.q_norm is not None and attn.k_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        modules = (self, attn, mlp, *norms)
+        if (attn.lora is not None or mlp.lora is not None or attn.sinks is not None
+                or self.residual_multiplier != 1.0
+                or any(type(n) is not RMSNorm or n.eps != self.input_layernorm.eps
+                       for n in norms)
+                or any(m._forward_hooks or m._forward_pre_hooks for m in modules)):
+            return None
+        sandwich = ((self.pre_feedforward_layernorm.weight,
+                     self.post_feedforward_layernorm.weight) if self.sandwich else (None, None))
+        qk = ((attn.q_norm.weight, attn.k_norm.weight)
+              if attn.q_norm is not None and attn.k_norm is not None else (None, None))
+        return StackLayer(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                          attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj,
+                          attn.window, *sandwich, *qk, self.local_rope)
 
     def _mlp(self, x: torch.Tensor, lora_mask: torch.Tensor | None) -> torch.Tensor:
         if isinstance(self.mlp, MLP):
@@ -239,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         stack = self.decode_stack
         if (stack is not None and lora_mask is None and not self.aux_layers
                 and stack.serves(x, meta)):
-            x = stack(x, residual, rope, kv_caches, meta)  # the loop below, in one call
+            x = stack(x, residual, rope, local_rope, kv_caches, meta)  # the loop below
         else:
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 if index in self.aux_layers:
@@ -322,23 +337,22 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_stack_spec(self) -> LayerStackSpec | None:
         """The layers as plain data for a backend's one-call loop (layer_stack.py), or None
-        where one of them is not the plain layer that loop computes."""
+        where one of them is not a layer that loop computes."""
         layers = []
         for layer in self.layers:
-            if type(layer) is not DecoderLayer or not layer.plain():
+            stacked = layer.stack_layer() if type(layer) is DecoderLayer else None
+            if stacked is None:
                 return None
-            attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(attn, Attention) and isinstance(mlp, MLP)  # plain() checked
-            layers.append(StackLayer(layer.input_layernorm.weight,
-                                     layer.post_attention_layernorm.weight, attn.qkv_proj,
-                                     attn.o_proj, mlp.gate_up_proj, mlp.down_proj, attn.window))
-        first = self.layers[0] if layers else None
-        if first is None or len({(lay.self_attn.scale, lay.mlp.gelu, lay.input_layernorm.eps,
-                                  lay.post_attention_layernorm.eps) for lay in self.layers}) != 1:
+            layers.append(stacked)
+        if not layers or len({(lay.self_attn.scale, lay.self_attn.softcap, lay.mlp.gelu,
+                               lay.input_layernorm.eps) for lay in self.layers}) != 1:
             return None
-        return LayerStackSpec(layers, first.self_attn.num_heads, first.self_attn.num_kv_heads,
-                              first.input_layernorm.eps, first.self_attn.scale,
-                              first.self_attn.softcap, first.mlp.gelu)
+        first = self.layers[0]
+        attn = first.self_attn
+        return LayerStackSpec(layers, self.embed_tokens.weight.dtype, attn.num_heads,
+                              attn.num_kv_heads, attn.head_dim,
+                              first.input_layernorm.eps, attn.scale, attn.softcap,
+                              first.mlp.gelu)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[bs, hidden]`` (one row per sequence) -> float32 logits ``[bs, vocab]``."""

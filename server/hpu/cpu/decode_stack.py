@@ -77,9 +77,11 @@ class FusedDecodeStack:
         self.scale = spec.scale
         self.softcap = spec.softcap or 0.0
         self.gelu = spec.gelu
-        self.norms = [w for layer in spec.layers
-                      for w in (layer.input_norm, layer.post_attention_norm)]
-        self.windows = [layer.window or 0 for layer in spec.layers]
+        self.head_dim = spec.head_dim
+        self.norms = [w for layer in spec.layers for w in layer.norms]
+        # per layer: its window (0: none) and whether it rotates by the local RoPE table
+        self.layer_params = [n for layer in spec.layers
+                             for n in (layer.window or 0, int(layer.local_rope))]
         self.int4 = [p.int4 for p in projections]
         self.bf16 = [p.bf16 for p in projections]
         self.small_biases = [p.small_bias for p in projections]
@@ -94,13 +96,13 @@ class FusedDecodeStack:
         """The stack, or None where a projection or norm is not one the kernel takes."""
         if not spec.layers or not hasattr(torch.ops.hpu_serve, "decode_layers"):
             return None
-        dtype = spec.layers[0].input_norm.dtype
+        dtype = spec.dtype
         if dtype not in (torch.float32, torch.bfloat16):  # the fused kernels' dtypes
             return None
         projections = []
         for layer in spec.layers:
             # the fused norm's weights: the activations' dtype or float32 (Gemma's 1 + w)
-            if {layer.input_norm.dtype, layer.post_attention_norm.dtype} - {dtype, torch.float32}:
+            if {w.dtype for w in layer.norms if w is not None} - {dtype, torch.float32}:
                 return None
             for linear in layer.projections:
                 projection = Projection.of(linear)
@@ -115,18 +117,22 @@ class FusedDecodeStack:
                 and meta.seq_lens is not None)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[KVCache],
+                 rope: tuple[torch.Tensor, torch.Tensor],
+                 local_rope: tuple[torch.Tensor, torch.Tensor], kv_caches: list[KVCache],
                  meta: AttentionMetadata) -> torch.Tensor:
         rows = x.shape[0]
         cos, sin = rope
+        local_cos, local_sin = local_rope
         dense: list[torch.Tensor] = []
         dense_biases: list[torch.Tensor | None] = []
         if rows > self.small_rows:
             dense = [m.packed_weight for m in self.dense]
             dense_biases = [m.bias for m in self.dense]
         return torch.ops.hpu_serve.decode_layers(
-            x, residual, cos.view(rows, -1), sin.view(rows, -1), [k for k, _ in kv_caches],
-            [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            self.norms, self.int4, self.bf16, self.small_biases, dense, dense_biases,
-            self.params, self.windows, self.num_heads, self.num_kv_heads, self.eps,
-            self.scale, self.softcap, self.gelu)
+            x, residual, [cos.view(rows, -1), sin.view(rows, -1), local_cos.view(rows, -1),
+                          local_sin.view(rows, -1)],
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, self.norms, self.int4, self.bf16,
+            self.small_biases, dense, dense_biases, self.params, self.layer_params,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
+            self.softcap, self.gelu)

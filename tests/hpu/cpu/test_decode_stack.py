@@ -109,7 +109,13 @@ def test_batches_past_the_small_kernels_rows_run_onednn_inside(smollm2_gguf) -> 
     {},  # Llama, tied embeddings
     {"model_type": "qwen2"},  # biases on q, k and v
     {"model_type": "mistral", "sliding_window": 6},  # a window shorter than the prompts
-])
+    {"model_type": "qwen3"},  # per-head q/k norms, head size != hidden / heads
+    {"model_type": "phi3"},
+    # sandwich norms in float32 (1 + w), GeGLU, soft-capped scores, windows on alternate layers
+    {"model_type": "gemma2", "sliding_window": 6},
+    # and q/k norms, the windowed layers on their own RoPE table
+    {"model_type": "gemma3_text", "sliding_window": 6},
+], ids=["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_bf16_projections_give_the_loops_bits(tiny_model_factory, kind: dict) -> None:
     """bf16 weights: every projection on the bf16 small-batch kernel's copy."""
     path = tiny_model_factory(**kind)[0]
@@ -117,15 +123,20 @@ def test_bf16_projections_give_the_loops_bits(tiny_model_factory, kind: dict) ->
     prompts = [[(7 * i + j) % 300 + 3 for j in range(9 + i)] for i in range(3)]
     model = llm.engine.runner.model
     if "sliding_window" in kind:
-        assert {layer.self_attn.window for layer in model.layers} == {6}
+        assert 6 in {layer.self_attn.window for layer in model.layers}
+    if kind.get("model_type") == "gemma3_text":
+        assert any(layer.local_rope for layer in model.layers)
+        assert model.layers[0].self_attn.q_norm.weight.dtype == torch.float32
     stack, loop, calls = both_ways(llm, [{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert_same(stack, loop)
     assert calls >= GREEDY.max_tokens - 1
 
 
-@pytest.mark.parametrize("kind", [{"model_type": "qwen3"}, {"model_type": "gemma2"}])
+@pytest.mark.parametrize("kind", [{"model_type": "granite"}, {"model_type": "mixtral"},
+                                  {"model_type": "gpt_oss"}])
 def test_layers_it_does_not_compute_get_no_stack(tiny_model_factory, kind: dict) -> None:
-    """Per-head q/k norms (Qwen3), sandwich norms and caps (Gemma 2): the model's loop."""
+    """Residual multipliers (Granite), experts (Mixtral), sinks and experts (gpt-oss): the
+    model's loop."""
     path = tiny_model_factory(**kind)[0]
     llm = LLM(path, dtype="bfloat16", max_num_seqs=2, max_model_len=128, block_size=16)
     assert llm.engine.runner.model.decode_stack is None
