@@ -236,14 +236,18 @@ def thread_envs(threads: int, kv_cache_gib: int, pin: bool = True
 INSTRUCTION = "Write a short story that uses these words: "
 
 
-def word_requests(tokenizer, n: int, words: int, output_len: int, seed: int
+def whole_words(tokenizer) -> list[str]:
+    """The tokenizer's whole-word entries (a leading space, lowercase, 3+ letters)."""
+    return sorted({w.strip() for w in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size))
+                   if w.startswith(" ") and w.strip().isalpha() and w.strip().islower()
+                   and len(w.strip()) >= 3})
+
+
+def word_requests(tokenizer, vocab: list[str], n: int, words: int, output_len: int, seed: int
                   ) -> list[BenchRequest]:
-    """An instruction plus ``words`` words drawn at random from the tokenizer's whole-word
-    entries (lowercase, 3+ letters): prompts of English-looking text, for the chat endpoint,
-    unlike the random-token ones."""
-    vocab = sorted({w.strip() for w in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size))
-                    if w.startswith(" ") and w.strip().isalpha() and w.strip().islower()
-                    and len(w.strip()) >= 3})
+    """An instruction plus ``words`` words drawn at random from ``vocab`` (see
+    ``whole_words``): prompts of English-looking text, for the chat endpoint, unlike the
+    random-token ones."""
     rng = random.Random(seed)
     requests = []
     for _ in range(n):
@@ -318,6 +322,7 @@ def main() -> None:
     print("servers:", ", ".join(s.name for s in servers), "| logs in", work, flush=True)
     tokenizer = load_tokenizer(args.model)
     special = set(tokenizer.hf.all_special_ids)
+    vocab = whole_words(tokenizer) if args.word_prompts else []
     results: dict[str, dict[int, list[dict]]] = {s.name: {c: [] for c in args.concurrency}
                                                  for s in servers}
 
@@ -335,8 +340,8 @@ def main() -> None:
                 n = max(4, int(args.prompts_per_concurrency * conc))
                 seed = rnd * 1000 + conc
                 if args.word_prompts:
-                    requests = word_requests(tokenizer, n, args.word_prompts, args.output_len,
-                                             seed)
+                    requests = word_requests(tokenizer, vocab, n, args.word_prompts,
+                                             args.output_len, seed)
                 else:
                     spec = WorkloadSpec(n, args.input_len, args.output_len, seed=seed,
                                         shared_prefix_len=args.shared_prefix_len)

@@ -9,6 +9,7 @@ the same packing inductor applies when it freezes a CPU graph, so only eager mod
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Collection, Mapping
 from typing import Protocol
@@ -152,7 +153,7 @@ class Int4Codes(Protocol):
     zero: torch.Tensor
 
 
-class CodesLinear(nn.Module):
+class CodesLinear(nn.Module, abc.ABC):
     """A packed dense linear (``dense``) plus the same weight as the checkpoint's own codes,
     which serve batches of up to ``max_rows`` rows (``small_batch``: ``[rows, in]`` ->
     ``[rows, out]``, the bias added after); bigger batches run the dense GEMM."""
@@ -163,8 +164,9 @@ class CodesLinear(nn.Module):
     max_rows: int
     bias: torch.Tensor | None
 
+    @abc.abstractmethod
     def small_batch(self, flat: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """``[rows, in_features]`` -> ``[rows, out_features]`` from the codes, no bias."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
