@@ -48,9 +48,8 @@ class KVCacheLayout:
         shape = (num_blocks + 1, self.num_heads, block_size, self.head_dim)
         caches: list[KVCache] = []
         for _ in range(self.num_layers):
-            k = torch.zeros(shape, dtype=dtype, device=device)
-            caches.append((k, k) if self.shared_kv
-                          else (k, torch.zeros(shape, dtype=dtype, device=device)))
+            k = _zeros(shape, dtype, device)
+            caches.append((k, k) if self.shared_kv else (k, _zeros(shape, dtype, device)))
         return caches
 
     def describe(self, dtype: torch.dtype) -> str:
@@ -63,6 +62,16 @@ class KVCacheLayout:
             else f"2 x {self.num_heads} x {self.head_dim}")
         return (f"{self.bytes_per_token(dtype)} bytes per token ({parts} x {element} bytes; "
                 f"{what})")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # a decode step reads every running sequence's blocks: on 2 MiB pages where the host
+    # gives them (see host_memory.py), advised before the zero fill touches them
+    from server.hpu.cpu.host_memory import empty_on_huge_pages
+
+    return empty_on_huge_pages(shape, dtype).zero_()
 
 
 def cache_bytes(kv_caches: list[KVCache]) -> int:

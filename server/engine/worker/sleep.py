@@ -141,6 +141,11 @@ class DeviceMemory:
             return
         for storage, nbytes in self._kv:
             storage.resize_(nbytes)
+            if storage.device.type == "cpu":  # 2 MiB pages again, as at start-up
+                from server.hpu.cpu.host_memory import advise_huge_pages, collapse_huge_pages
+
+                advise_huge_pages(storage)
+                collapse_huge_pages(storage)
             storage.fill_(0)
         self.kv_resident = True
 

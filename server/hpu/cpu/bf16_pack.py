@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from server.hpu.cpu.host_memory import on_huge_pages
+
 TILE = 16  # output columns per kernel vector
 
 
@@ -33,7 +35,7 @@ def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedB
     tiles, half = w.shape[0] // TILE, w.shape[1] // 2
     packed = w.view(tiles, TILE, half, 2).permute(0, 2, 1, 3).contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
-    return PackedBf16(packed, b, n)
+    return PackedBf16(on_huge_pages(packed), b, n)
 
 
 def bf16_linear(x: torch.Tensor, weight: PackedBf16,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from server.hpu.cpu.host_memory import on_huge_pages
+
 TILE = 16  # output columns per kernel vector
 
 
@@ -48,7 +50,7 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> P
     sz = sz.view(tiles, TILE, groups, len(parts)).permute(0, 2, 3, 1).contiguous()
     weight = torch.cat([q.reshape(tiles, groups, -1),
                         sz.view(torch.uint8).reshape(tiles, groups, -1)], dim=-1)
-    return PackedInt4(weight.contiguous(), group, n)
+    return PackedInt4(on_huge_pages(weight), group, n)
 
 
 def int4_linear(x: torch.Tensor, weight: PackedInt4,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from server.hpu.cpu.host_memory import on_huge_pages
+
 TILE = 16  # output columns per kernel vector
 GROUP = 32  # inputs per scale: GGUF's Q8_0 block
 
@@ -40,7 +42,7 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> PackedQ8:
     q = q.permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
     s = F.pad(scale.float(), (0, 0, 0, pad)).view(tiles, TILE, groups).permute(0, 2, 1)
     weight = torch.cat([q, s.contiguous().view(torch.uint8).reshape(tiles, groups, -1)], dim=-1)
-    return PackedQ8(weight.contiguous(), n)
+    return PackedQ8(on_huge_pages(weight), n)
 
 
 def q8_linear(x: torch.Tensor, weight: PackedQ8,

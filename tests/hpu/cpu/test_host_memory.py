@@ -39,3 +39,99 @@ def test_tuned_allocator_keeps_freed_temporaries() -> None:
     # the next step maps and zero-fills it again; tuned, it stays in the heap for reuse.
     assert free_heap_bytes("default") < 4_000_000
     assert free_heap_bytes("tuned") >= 16_000_000
+
+
+# --- 2 MiB pages for what every decode step streams -------------------------------------
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "none"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+needs_thp = pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
+                               reason="transparent huge pages are off on this host")
+
+
+def huge_kib_at(address: int) -> int:
+    """AnonHugePages of the mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+@needs_thp
+def test_packed_weights_live_on_huge_pages() -> None:
+    import torch
+
+    from server.hpu.cpu.bf16_pack import pack_bf16
+    from server.hpu.cpu.host_memory import HugePageArena
+
+    packed = pack_bf16(torch.randn(2048, 1024))  # 4 MiB: at least one whole 2 MiB page
+    assert huge_kib_at(packed.weight.data_ptr()) >= 2048
+
+    arena = HugePageArena(chunk_bytes=8 << 20)
+    assert huge_kib_at(arena.copy(torch.ones(1 << 20)).data_ptr()) >= 2048
+
+
+@needs_thp
+def test_cpu_kv_cache_is_advised_before_its_zero_fill() -> None:
+    import torch
+
+    from server.hpu.kv_cache import KVCacheLayout
+
+    # 34 MiB a tensor: past glibc's largest mmap threshold, so fresh pages, as a served
+    # cache's are (the default 4 GiB over SmolLM2's 60 tensors: 68 MiB each)
+    (k, v), = KVCacheLayout(1, 2, 64).allocate(1087, 128, torch.bfloat16,
+                                               torch.device("cpu"))
+    assert k.shape == (1088, 2, 128, 64) and not k.any() and not v.any()
+    for t in (k, v):  # mid-tensor: the parts before its first 2 MiB boundary and after
+        # its last keep 4 KiB pages
+        assert huge_kib_at(t.data_ptr() + t.numel() * t.element_size() // 2) >= 2048
+
+
+def test_arena_copies_are_equal_views_that_keep_their_chunk() -> None:
+    import gc
+
+    import torch
+
+    from server.hpu.cpu.host_memory import HugePageArena
+
+    arena = HugePageArena(chunk_bytes=1 << 20)
+    a = torch.arange(1000, dtype=torch.int16).view(10, 100)
+    b = torch.randn(33, 7).t()  # not contiguous: copied contiguous
+    ca, cb = arena.copy(a), arena.copy(b)
+    assert torch.equal(ca, a) and torch.equal(cb, b) and cb.is_contiguous()
+    assert ca.untyped_storage().data_ptr() == cb.untyped_storage().data_ptr()  # one chunk
+    assert cb.data_ptr() % HugePageArena.ALIGN == 0
+    big = arena.copy(torch.ones(2 << 20, dtype=torch.uint8))  # past the chunk: its own
+    assert big.untyped_storage().data_ptr() != ca.untyped_storage().data_ptr()
+    assert arena.copy(torch.empty(0, 3)).shape == (0, 3)
+    del arena, a
+    gc.collect()
+    assert ca.sum().item() == sum(range(1000))  # the copies keep their chunk alive
+
+
+@needs_thp
+def test_kv_cache_woken_from_sleep_is_on_huge_pages_again() -> None:
+    import torch
+    from torch import nn
+
+    from server.engine.worker.sleep import DeviceMemory
+    from server.hpu.kv_cache import KVCacheLayout
+
+    caches = KVCacheLayout(1, 2, 64).allocate(1087, 128, torch.bfloat16, torch.device("cpu"))
+    memory = DeviceMemory(nn.Module(), caches, False, torch.device("cpu"))
+    memory.release_kv()
+    memory.restore_kv()
+    k = caches[0][0]
+    assert not k.any() and huge_kib_at(k.data_ptr() + k.numel() * k.element_size() // 2) >= 2048
