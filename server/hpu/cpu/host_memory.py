@@ -115,13 +115,17 @@ def release_free_host_memory() -> bool:
 
 
 def _madvise_whole_pages(t: torch.Tensor | torch.UntypedStorage, advice: int) -> bool:
-    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+    if t.device.type != "cpu":
         return False
     start = t.data_ptr()
     end = start + (t.nbytes() if isinstance(t, torch.UntypedStorage)
                    else t.numel() * t.element_size())
-    first = -(-start // HUGE_PAGE) * HUGE_PAGE
-    last = end // HUGE_PAGE * HUGE_PAGE
+    return _madvise(-(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE, advice)
+
+
+def _madvise(first: int, last: int, advice: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
     libc = _libc()
     if last <= first or libc is None:
         return False
@@ -143,6 +147,16 @@ def collapse_huge_pages(t: torch.Tensor | torch.UntypedStorage) -> bool:
     allocator hands out from its heap, touched before: advising it alone changes nothing.
     False where nothing was collapsed (older kernels, THP off, no whole page inside)."""
     return _madvise_whole_pages(t, _MADV_COLLAPSE)
+
+
+def collapse_around(address: int, nbytes: int) -> bool:
+    """``MADV_COLLAPSE`` on every 2 MiB page that ``[address, address + nbytes)`` touches, for
+    memory placed by a library (oneDNN's packed weights): a weight of 1 MiB shares its pages
+    with its heap neighbours, whose contents collapsing keeps."""
+    if nbytes <= 0:
+        return False
+    return _madvise(address // HUGE_PAGE * HUGE_PAGE,
+                    -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE, _MADV_COLLAPSE)
 
 
 def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

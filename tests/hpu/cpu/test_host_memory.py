@@ -135,3 +135,20 @@ def test_kv_cache_woken_from_sleep_is_on_huge_pages_again() -> None:
     memory.restore_kv()
     k = caches[0][0]
     assert not k.any() and huge_kib_at(k.data_ptr() + k.numel() * k.element_size() // 2) >= 2048
+
+
+@needs_thp
+def test_onednn_packed_weight_is_collapsed_onto_huge_pages() -> None:
+    import torch
+    from torch import nn
+
+    from server.hpu.cpu.linear import PackedLinear, packing_supported
+
+    if not packing_supported(torch.float32):
+        pytest.skip("no oneDNN")
+    dense = nn.Linear(2048, 1024, bias=False)
+    layer = PackedLinear(dense)  # 8 MiB, placed by oneDNN
+    x = torch.randn(3, 2048)
+    torch.testing.assert_close(layer(x), dense(x))  # collapsing keeps the contents
+    address = torch.ops.mkldnn.data_ptr(layer.packed_weight)
+    assert huge_kib_at(address + torch.ops.mkldnn._nbytes(layer.packed_weight) // 2) >= 2048
