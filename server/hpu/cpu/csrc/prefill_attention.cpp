@@ -3,7 +3,7 @@
 //
 // The paged kernel (paged_attention.h) runs a prompt chunk one row per token, four at a
 // time, with fp32 vector FMAs: each key is widened and multiplied once per four tokens. Here
-// a tile of QTOK consecutive tokens of one sequence, all G query heads of a kv head (QTOK x G
+// a tile of qtok consecutive tokens of one sequence, all G query heads of a kv head (qtok x G
 // rows), meets KT keys at a time as two small GEMMs:
 //   scores [rows, KT] = Q [rows, D] x K^T      (then scale, causal mask, online softmax)
 //   O [rows, D]      += P [rows, KT] x V [KT, D]
@@ -38,7 +38,11 @@ namespace hpu_serve {
 namespace {
 
 constexpr int KT = 64;     // keys per tile: the score tile's columns
-constexpr int QTOK = 32;   // query tokens per tile (times G query heads: the tile's rows)
+// Query tokens per tile (times G query heads: the tile's rows): every tile packs the keys it
+// reads, so longer tiles pack less per score (a 512-token chunk at 7.5k of context: 32.1 ms
+// at 32, 30.3 ms at 64, SmolLM2's heads, 2 threads), but give the threads fewer items.
+constexpr int QTOK_LONG = 64;
+constexpr int QTOK_SHORT = 32;
 constexpr int ROWS = 6;    // rows per register block: 6 x 4 accumulators + 4 operands + 1
 constexpr int COLS = 64;   // columns per register block (4 x 16 fp32 lanes)
 
@@ -212,6 +216,59 @@ inline void pack_values2(const T* values, int64_t s, int64_t dim, E* vp, int64_t
 
 // ---- the tiles -------------------------------------------------------------------------
 
+#ifdef HPU_SERVE_BF16_DOT
+// fast_exp (kernel_utils.h) on 16 lanes, written out: GCC's vectorisation of the scalar one
+// spends ~2x the instructions (the clamps, floor and exponent bits in integer lanes), and
+// with a head of 64 the softmax was a third of a tile's work. Same range reduction and
+// polynomial; the scale by 2^n is vscalefps. x <= 0 here (a score minus the running max).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
+                                 _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// One row of a score tile: the max of its first `seen` scaled scores with `old_max` (into
+// new_max), their exponentials against it as bf16 probabilities into p (0 past seen), and
+// the sum of the fp32 exponentials.
+inline void softmax_tile_bf16(const float* s, uint16_t* p, int64_t seen, float scale,
+                              float old_max, float& new_max, float& sum) {
+  static_assert(KT == 64, "four vectors of 16 scores");
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 mask[4];
+  __m512 x[4];
+  __m512 m = ninf;
+  for (int v = 0; v < 4; ++v) {
+    const int64_t left = std::clamp<int64_t>(seen - 16 * v, 0, 16);
+    mask[v] = static_cast<__mmask16>((1u << left) - 1u);
+    x[v] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * v), vscale);
+    m = _mm512_mask_max_ps(m, mask[v], m, x[v]);
+  }
+  new_max = std::max(old_max, _mm512_reduce_max_ps(m));
+  const __m512 vmax = _mm512_set1_ps(new_max);
+  __m512 total = _mm512_setzero_ps();
+  for (int v = 0; v < 4; v += 2) {
+    const __m512 e0 = _mm512_maskz_mov_ps(mask[v], exp16(_mm512_sub_ps(x[v], vmax)));
+    const __m512 e1 = _mm512_maskz_mov_ps(mask[v + 1], exp16(_mm512_sub_ps(x[v + 1], vmax)));
+    total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+    // lanes 0-15 from e0, 16-31 from e1; round to nearest even, as float_to_bf16_bits
+    _mm512_storeu_si512(p + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  sum = _mm512_reduce_add_ps(total);
+}
+#endif
+
 struct Run {
   int64_t first, count;  // rows [first, first + count): consecutive tokens of one sequence
 };
@@ -320,19 +377,28 @@ void tile_attention(const Problem& pr, Tile<E>& tile, const Item& it, int64_t gr
       // the query at position len - 1 sees keys [0, len): the causal mask, diagonal tiles only
       const int64_t seen = std::min<int64_t>(
           std::max<int64_t>(pr.lens[it.first + r / groups] - k0, 0), kn);
-      float block_max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : block_max)
-      for (int64_t j = 0; j < seen; ++j) block_max = std::max(block_max, s[j] * scale);
       const float old_max = tile.run_max[r];
-      const float new_max = std::max(old_max, block_max);
-      float sum = 0.f;
+      float new_max, sum;
+#ifdef HPU_SERVE_BF16_DOT
+      if constexpr (PACK == 2) {
+        softmax_tile_bf16(s, reinterpret_cast<uint16_t*>(p), seen, scale, old_max, new_max,
+                          sum);
+      } else
+#endif
+      {
+        float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
+        for (int64_t j = 0; j < seen; ++j) block_max = std::max(block_max, s[j] * scale);
+        new_max = std::max(old_max, block_max);
+        sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < KT; ++j) {
-        const float e = j < seen ? fast_exp(s[j] * scale - new_max) : 0.f;
-        sum += e;
-        s[j] = e;
+        for (int64_t j = 0; j < KT; ++j) {
+          const float e = j < seen ? fast_exp(s[j] * scale - new_max) : 0.f;
+          sum += e;
+          s[j] = e;
+        }
+        for (int64_t j = 0; j < KT; ++j) p[j] = to_element(s[j], p);
       }
-      for (int64_t j = 0; j < KT; ++j) p[j] = to_element(s[j], p);
       if (seen == 0) continue;
       // 0 on the row's first tile (its max was -inf), 1 while the max holds
       const float correction =
@@ -365,7 +431,8 @@ void tile_attention(const Problem& pr, Tile<E>& tile, const Item& it, int64_t gr
 }
 
 template <typename E, typename T, int PACK>
-void run_items(const Problem& pr, const std::vector<Item>& items, int64_t groups) {
+void run_items(const Problem& pr, const std::vector<Item>& items, int64_t groups,
+               int64_t qtok) {
   const int64_t dim = pr.v_cache.size(3);
   // Threads pull the items (heaviest first) from a shared counter: a causal chunk's tiles
   // differ in cost, and a static split would leave one thread the long ones.
@@ -373,7 +440,7 @@ void run_items(const Problem& pr, const std::vector<Item>& items, int64_t groups
   const int64_t total = static_cast<int64_t>(items.size());
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Tile<E> tile(QTOK * groups, dim);
+    Tile<E> tile(qtok * groups, dim);
     for (int64_t i = next++; i < total; i = next++) {
       tile_attention<E, T, PACK>(pr, tile, items[i], groups);
     }
@@ -445,9 +512,13 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
   const int64_t groups = query.size(1) / kv_heads;
   std::vector<Item> items;
   std::vector<bool> tiled(rows, false);
+  int64_t long_items = 0;
+  for (const Run& run : runs) long_items += (run.count + QTOK_LONG - 1) / QTOK_LONG * kv_heads;
+  // long tiles while they still give every thread four items to pull
+  const int64_t qtok = long_items >= 4 * at::get_num_threads() ? QTOK_LONG : QTOK_SHORT;
   for (const Run& run : runs) {
-    for (int64_t t0 = 0; t0 < run.count; t0 += QTOK) {
-      const int64_t count = std::min<int64_t>(QTOK, run.count - t0);
+    for (int64_t t0 = 0; t0 < run.count; t0 += qtok) {
+      const int64_t count = std::min<int64_t>(qtok, run.count - t0);
       for (int64_t h = 0; h < kv_heads; ++h) {
         items.push_back({run.first + t0, count, h, lens[run.first + t0 + count - 1]});
       }
@@ -460,12 +531,12 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
   Problem pr{query, k_cache, v_cache, tables, lens, width, static_cast<float>(scale), out};
   if (!items.empty()) {
     if (dtype == at::kFloat) {
-      run_items<float, float, 1>(pr, items, groups);
+      run_items<float, float, 1>(pr, items, groups, qtok);
     } else {
 #ifdef HPU_SERVE_BF16_DOT
-      run_items<uint16_t, BFloat16, 2>(pr, items, groups);
+      run_items<uint16_t, BFloat16, 2>(pr, items, groups, qtok);
 #else
-      run_items<float, BFloat16, 1>(pr, items, groups);
+      run_items<float, BFloat16, 1>(pr, items, groups, qtok);
 #endif
     }
   }
