@@ -9,7 +9,8 @@ measures the neighbours. Compare branches side by side, never across runs.
 
 - bf16 matmul ceiling: best GFLOP/s of a large square bf16 matmul (plain or oneDNN-packed).
 - memory bandwidth: best GB/s of a large tensor copy (bytes read), and of a large sum (reads
-  only: the stricter ceiling, also reported), each the better of 4 KiB and 2 MiB pages.
+  only: the stricter ceiling, also reported), each the better of 4 KiB and 2 MiB pages; the
+  read one also the bf16 small-batch kernel's rate on a 512 MiB weight.
 - batch-N decode (compute-bound regime): achieved GFLOP/s of the engine's decode step
   (2 x params FLOPs per token for the linear layers + attention over the context) / ceiling.
 - batch-1 decode (bandwidth-bound regime): bytes a token must read (weights as the step reads
@@ -27,6 +28,7 @@ from execution_modes import decode_step_ms
 from torch import nn
 
 from server import LLM
+from server.hpu.cpu.bf16_pack import bf16_kernel_available, bf16_linear, pack_bf16
 from server.hpu.cpu.host_memory import empty_on_huge_pages
 from server.hpu.cpu.linear import (
     PackedLinear,
@@ -76,9 +78,16 @@ def copy_bandwidth_gbs(mib: int = 512) -> float:
 
 
 def read_bandwidth_gbs(mib: int = 512) -> float:
-    """Best GB/s of a reduction over a large tensor: reads only, the stricter ceiling."""
-    return max(src.numel() * 4 / best_time(lambda: src.sum(), 10) / 1e9  # noqa: B023
+    """Best GB/s of reading a large tensor: a reduction over it on either page size, and the
+    bf16 small-batch kernel streaming it as a one-row GEMV's weight (on 2 cores the sum is
+    bound by its adds near 35 GB/s while the kernel has read 50: the ceiling is the best)."""
+    best = max(src.numel() * 4 / best_time(lambda: src.sum(), 10) / 1e9  # noqa: B023
                for src in buffers(mib))
+    if bf16_kernel_available():
+        weight = pack_bf16(torch.ones(mib * 2**20 // 2 // 4096, 4096, dtype=torch.bfloat16))
+        x = torch.ones(1, 4096, dtype=torch.bfloat16)
+        best = max(best, mib * 2**20 / best_time(lambda: bf16_linear(x, weight), 10) / 1e9)
+    return best
 
 
 def batch1_weight_bytes(model: nn.Module, element: int) -> int:
