@@ -67,18 +67,12 @@ class SchedulerLimits:
     context_prefill_alone: bool = False
     # admission round-robins over clients (Sequence.client); see Scheduler
     fair_share: bool = False
-    # static shapes: a chunk that stops short of its prompt's end ends on a KV-block boundary,
-    # as the prompt buckets count their context in whole blocks. Eager steps spend the whole
-    # budget: ~230-token prompts under a 448-token budget (512 less 64 decodes) lost a
-    # quarter of it to the rounding, so arrivals outran the prefill and queued.
-    block_aligned_chunks: bool = False
 
     @classmethod
     def resolve(cls, config: SchedulerConfig, model_max_len: int,
                 chunked_prefill: bool | None = None,
                 context_prefill_alone: bool = False,
-                default_max_num_batched_tokens: int = MIN_BATCHED_TOKENS,
-                block_aligned_chunks: bool = False) -> SchedulerLimits:
+                default_max_num_batched_tokens: int = MIN_BATCHED_TOKENS) -> SchedulerLimits:
         """The flags' limits with the model's defaults filled in, checked against it.
         ``chunked_prefill`` overrides the flag; ``default_max_num_batched_tokens``: the
         platform's step budget with chunked prefill when ``--max-num-batched-tokens`` is
@@ -97,4 +91,4 @@ class SchedulerLimits:
                 f"--max-model-len ({max_model_len}) since prompts are not chunked "
                 "(--no-enable-chunked-prefill)")
         return cls(config.max_num_seqs, max_num_batched_tokens, max_model_len, config.policy,
-                   chunked, context_prefill_alone, config.fair_share, block_aligned_chunks)
+                   chunked, context_prefill_alone, config.fair_share)

@@ -90,17 +90,17 @@ def test_decodes_go_on_while_a_long_prompt_is_chunked(tiny_model, kernels: bool)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     engine.add_request("short", batch[0], params)
     engine.step()  # its prompt; it decodes from now on
-    engine.add_request("long", batch[5], params)  # 200 tokens: 5 chunks, then decodes
+    engine.add_request("long", batch[5], params)  # 200 tokens: 6 chunks, then decodes
     steps = []
-    for _ in range(5):
+    for _ in range(6):
         batches = engine.scheduler.schedule()
         steps.append([(b.phase, [s.request_id for s in b.seqs],
                        [b.new_tokens(i) for i in range(len(b.seqs))]) for b in batches])
         for b in batches:  # run them as the engine would
             engine._step_batch(b)
-    chunks = [47] * 4 + [200 - 4 * 47]
-    # the decode first, then a chunk of the whole budget left over (47 tokens; eager steps
-    # do not round it down to a block boundary), then the rest (12 <= 47)
+    chunks = [32] * 5 + [200 - 5 * 32]
+    # the decode first, then a chunk in the budget left over (47 tokens), ending on a
+    # block boundary (32) unless the rest fits (40 <= 47)
     if kernels:
         assert steps == [[(Phase.PREFILL, ["short", "long"], [1, n])] for n in chunks]
     else:
@@ -108,7 +108,7 @@ def test_decodes_go_on_while_a_long_prompt_is_chunked(tiny_model, kernels: bool)
                          for n in chunks]
     short_seq, long_seq = engine.scheduler.running
     assert long_seq.request_id == "long" and long_seq.num_output_tokens == 1
-    assert short_seq.num_output_tokens == 1 + 5  # one token per step, never stalled
+    assert short_seq.num_output_tokens == 1 + 6  # one token per step, never stalled
 
 
 def test_abort_mid_prefill_frees_every_block(tiny_model) -> None:

@@ -229,9 +229,9 @@ class Scheduler:
 
     def _schedule_chunks(self, budget: int) -> list[ScheduledBatch]:
         """Prompt chunks within ``budget`` tokens: the prompts already started first (in
-        order), then new admissions. With static shapes a chunk that stops short of the
-        prompt's end ends on a block boundary, so every later chunk starts on one. One batch,
-        or with static shapes one per prefill with context plus one of those without."""
+        order), then new admissions. A chunk that stops short of the prompt's end ends on a
+        block boundary, so every later chunk starts on one. One batch, or with static
+        shapes one per prefill with context plus one of those without."""
         alone: list[ScheduledBatch] = []  # prefills with context, with static shapes
         seqs: list[Sequence] = []
         chunks: list[int] = []
@@ -284,12 +284,10 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """The next chunk of ``seq``'s prompt from ``start``: all of it within ``budget``,
-        else the budget (the most whole blocks with static shapes), shortened so as not to
-        cut an image's tokens in two."""
+        else the most whole blocks, shortened so as not to cut an image's tokens in two."""
         remaining = seq.num_tokens - start
         block = self.block_manager.block_size
-        chunk = remaining if remaining <= budget else (
-            budget // block * block if self.limits.block_aligned_chunks else budget)
+        chunk = remaining if remaining <= budget else budget // block * block
         if seq.images:
             chunk = chunk_end(seq.images, start, start + chunk, start + budget) - start
         return chunk

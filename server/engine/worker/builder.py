@@ -47,12 +47,11 @@ def resolve_limits(config: EngineConfig, platform: Platform,
     """The scheduler's limits, with the step's token budget (``max_num_batched_tokens``)
     resolved: the flag, else the platform's default with chunked prefill, else a whole
     prompt. With static shapes (graphs, compile) a prefill with context runs alone, in a
-    prompt bucket with context blocks, and a prompt's chunks end on block boundaries."""
+    prompt bucket with context blocks."""
     static = platform.resolve_mode(config.device) is not ExecutionMode.EAGER
     return SchedulerLimits.resolve(
         config.scheduler, model_max_len, context_prefill_alone=static,
-        default_max_num_batched_tokens=platform.default_max_num_batched_tokens,
-        block_aligned_chunks=static)
+        default_max_num_batched_tokens=platform.default_max_num_batched_tokens)
 
 
 def build_model_runner(config: EngineConfig, platform: Platform, source: ModelSource,

@@ -165,23 +165,3 @@ def test_fcfs_ignores_priority_order() -> None:
     sched.add(make_prio_seq(0, 4, priority=9))
     sched.add(make_prio_seq(1, 4, priority=-9))
     assert [s.seq_id for s in fake_step(sched).seqs] == [0]
-
-
-def chunk_sizes(aligned: bool) -> list[list[int]]:
-    """Steps of two 10-token prompts under a 13-token budget, blocks of 4."""
-    sched = Scheduler(SchedulerLimits(8, 13, 64, chunked_prefill=True,
-                                      block_aligned_chunks=aligned), BlockManager(16, 4))
-    for i in range(2):
-        sched.add(make_seq(i, 10))
-    steps = []
-    while any(s.in_prefill for s in sched.running) or sched.waiting:
-        steps.append([n for b in fake_steps(sched) if b.phase is Phase.PREFILL
-                      for n in (b.new_tokens(r) for r in range(len(b.seqs))) if n > 1])
-    return steps
-
-
-def test_eager_chunks_spend_the_whole_budget_static_ones_end_on_block_boundaries() -> None:
-    # eager: 10 + 3 of the second, then its 7 (and the first's decode)
-    assert chunk_sizes(aligned=False) == [[10, 3], [7]]
-    # static shapes: the second's first chunk rounds 3 down to no block: it waits
-    assert chunk_sizes(aligned=True) == [[10], [10]]
