@@ -31,10 +31,11 @@ def decode_step_ms(llm: LLM, bs: int, ctx: int, steps: int,
     ``clock=time.thread_time`` and one thread the CPU time the step itself took (what a
     shared, oversubscribed machine does not inflate)."""
     engine = llm.engine
-    prompt = [7] * ctx
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(bs):
-        engine.add_request(f"b{bs}-{i}", prompt, params)
+        # a prompt of its own per sequence: shared ones would share their KV blocks through
+        # the prefix cache, and a batch's attention would read one sequence's KV from cache
+        engine.add_request(f"b{bs}-{i}", [7 + i] * ctx, params)
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefills
     times = []
