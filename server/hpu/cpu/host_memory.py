@@ -149,14 +149,16 @@ def collapse_huge_pages(t: torch.Tensor | torch.UntypedStorage) -> bool:
     return _madvise_whole_pages(t, _MADV_COLLAPSE)
 
 
-def collapse_around(address: int, nbytes: int) -> bool:
-    """``MADV_COLLAPSE`` on every 2 MiB page that ``[address, address + nbytes)`` touches, for
-    memory placed by a library (oneDNN's packed weights): a weight of 1 MiB shares its pages
-    with its heap neighbours, whose contents collapsing keeps."""
+def advise_around(address: int, nbytes: int) -> bool:
+    """``MADV_HUGEPAGE`` on every 2 MiB page that ``[address, address + nbytes)`` touches, for
+    memory a library placed and filled (oneDNN's packed weights; a weight of 1 MiB shares its
+    pages with its heap neighbours). The kernel's khugepaged then moves them to huge pages in
+    the background: collapsing them at once cost a GGUF engine's start-up ~1 s (120 weights),
+    which every test that builds an engine paid too."""
     if nbytes <= 0:
         return False
     return _madvise(address // HUGE_PAGE * HUGE_PAGE,
-                    -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE, _MADV_COLLAPSE)
+                    -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE, _MADV_HUGEPAGE)
 
 
 def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

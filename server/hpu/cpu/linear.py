@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from server.hpu.cpu.bf16_pack import PackedBf16, bf16_linear, pack_bf16
-from server.hpu.cpu.host_memory import collapse_around
+from server.hpu.cpu.host_memory import advise_around
 from server.hpu.cpu.int4_pack import PackedInt4, int4_linear, pack_int4
 from server.hpu.cpu.q8_pack import pack_q8, q8_linear
 
@@ -87,10 +87,10 @@ class PackedLinear(nn.Module):
         # The batch-size hint only picks the blocking; measured equally fast from 1 to 256
         # rows with hint 1, so decode's small batches get the tuned layout.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-        # onto 2 MiB pages where oneDNN put it (see host_memory.py): 3-8% off decode steps
-        # of 16 to 64 rows, which read it every step (SmolLM2 bf16, measured A/B)
-        collapse_around(torch.ops.mkldnn.data_ptr(self.packed_weight),
-                        torch.ops.mkldnn._nbytes(self.packed_weight))
+        # onto 2 MiB pages where oneDNN put it, in the background (see host_memory.py):
+        # collapsed at once, 3-8% off decode steps of 16 to 64 rows (SmolLM2 bf16, A/B)
+        advise_around(torch.ops.mkldnn.data_ptr(self.packed_weight),
+                      torch.ops.mkldnn._nbytes(self.packed_weight))
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight_numel = weight.numel()
