@@ -55,8 +55,9 @@ needs_thp = pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
                                reason="transparent huge pages are off on this host")
 
 
-def huge_kib_at(address: int) -> int:
-    """AnonHugePages of the mapping that holds ``address`` (/proc/self/smaps)."""
+def smaps_line(address: int, field: str) -> list[str]:
+    """The values of ``field`` (e.g. ``AnonHugePages:``) for the mapping that holds
+    ``address`` in /proc/self/smaps; [] when there is none."""
     inside = False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -64,9 +65,20 @@ def huge_kib_at(address: int) -> int:
             if "-" in head and ":" not in head:
                 lo, hi = (int(v, 16) for v in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return 0
+            elif inside and head == field:
+                return line.split()[1:]
+    return []
+
+
+def huge_kib_at(address: int) -> int:
+    """AnonHugePages of the mapping that holds ``address``."""
+    value = smaps_line(address, "AnonHugePages:")
+    return int(value[0]) if value else 0
+
+
+def advised_at(address: int) -> bool:
+    """Whether the mapping that holds ``address`` carries MADV_HUGEPAGE (VmFlags "hg")."""
+    return "hg" in smaps_line(address, "VmFlags:")
 
 
 @needs_thp
@@ -135,20 +147,6 @@ def test_kv_cache_woken_from_sleep_is_on_huge_pages_again() -> None:
     memory.restore_kv()
     k = caches[0][0]
     assert not k.any() and huge_kib_at(k.data_ptr() + k.numel() * k.element_size() // 2) >= 2048
-
-
-def advised_at(address: int) -> bool:
-    """Whether the mapping that holds ``address`` carries MADV_HUGEPAGE (VmFlags "hg")."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return "hg" in line.split()[1:]
-    return False
 
 
 @needs_thp
