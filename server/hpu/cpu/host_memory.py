@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 import threading
@@ -42,9 +43,7 @@ _tuned = False
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _MADV_COLLAPSE = 25
-# glibc maps an allocation of its mmap threshold (at most 32 MiB) or more with fresh pages,
-# which are what MADV_HUGEPAGE can still back with huge ones (touched pages keep their 4 KiB)
-ARENA_CHUNK = 64 << 20
+ARENA_CHUNK = 64 << 20  # packed weights per chunk of the arena below
 
 
 def tune_host_allocator() -> bool:
@@ -90,12 +89,15 @@ def returning_freed_memory() -> Iterator[None]:
         release_free_host_memory()
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    # once per process: find_library runs ldconfig, and every madvise of a start-up asked
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt  # noqa: B018 - glibc only (musl, macOS: none)
     except (OSError, AttributeError):
         return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 
 
@@ -129,7 +131,6 @@ def _madvise(first: int, last: int, advice: int) -> bool:
     libc = _libc()
     if last <= first or libc is None:
         return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(first, last - first, advice) == 0
 
 
