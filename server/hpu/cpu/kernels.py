@@ -35,7 +35,8 @@ SOURCES = (CSRC / "layer_kernels.cpp", CSRC / "paged_attention.cpp",
            CSRC / "encoder_attention.cpp", CSRC / "prefill_attention.cpp",
            CSRC / "int4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "q8_gemm.cpp",
            CSRC / "decode_stack.cpp")
-HEADERS = (CSRC / "kernel_utils.h", CSRC / "paged_attention.h")
+HEADERS = (CSRC / "kernel_utils.h", CSRC / "attention_common.h", CSRC / "paged_attention.h",
+           CSRC / "decode_head_bf16.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-DNDEBUG", "-std=c++17", "-fPIC")
 _lock = threading.Lock()

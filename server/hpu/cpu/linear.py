@@ -33,11 +33,14 @@ _PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 # scores its drafts with the plain decode's numerics.
 INT4_MAX_ROWS = 4
 INT4_KERNEL_MAX_ROWS = 16
-# Largest batch served by the bf16 small-batch kernel (csrc/bf16_gemm.cpp): one pass over
-# the weight holds 8 rows. SmolLM2's linear stack, 2 threads (benchmarks/bf16_gemm.py): 10.4
-# vs oneDNN's 12.6 ms at 1 row, 10.7 vs 14.2 at 8; the LM head (49152 x 576) ties at 1 row
-# and loses from 12.
-BF16_KERNEL_MAX_ROWS = 8
+# Largest batch served by the bf16 small-batch kernel (csrc/bf16_gemm.cpp). One pass over
+# the weight holds 8 rows; more rows take more passes, the weight tile re-read from cache.
+# SmolLM2's 30 layers, 2 threads (benchmarks/bf16_gemm.py, 2026-11-27): 10.6 vs oneDNN's
+# 14.9 ms at 12 rows, 13.5 / 17.3 at 16, 23.5 / 26.5 at 32, 39.4 / 41.5 at 64; the LM head
+# (49152 x 576) 5.9 / 7.7 ms at 32 but 10.7 / 10.2 at 64 (and behind in two more runs at 48
+# to 128 rows). At 96-128 rows the layers tie: oneDNN from there.
+BF16_KERNEL_MAX_ROWS = 64
+BF16_HEAD_MAX_ROWS = 32
 # Largest batch served from a Q8_0 LM head's codes (csrc/q8_gemm.cpp). SmolLM2's head
 # (49152 x 576), 2 threads: 0.72 ms against the bf16 kernel's 1.85 and oneDNN's 1.83 at 1
 # row, 1.22 vs 1.81 at 4, a tie at 8, slower past it (two products per code and row).
@@ -51,10 +54,11 @@ def int4_max_rows(decode_query: int, kernel: bool = False) -> int:
     return max(INT4_KERNEL_MAX_ROWS if kernel else INT4_MAX_ROWS, decode_query)
 
 
-def bf16_max_rows(decode_query: int) -> int:
-    """Rows served by the bf16 small-batch kernel: one pass's worth, or one sequence's
-    verify step if that is larger (its rows then scored with plain decoding's numerics)."""
-    return max(BF16_KERNEL_MAX_ROWS, decode_query)
+def bf16_max_rows(decode_query: int, head: bool = False) -> int:
+    """Rows served by the bf16 small-batch kernel (``head``: in the LM head): the measured
+    crossover, or one sequence's verify step if that is larger (its rows then scored with
+    plain decoding's numerics)."""
+    return max(BF16_HEAD_MAX_ROWS if head else BF16_KERNEL_MAX_ROWS, decode_query)
 
 
 def q8_max_rows(decode_query: int) -> int:
@@ -116,13 +120,14 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_layers(model: nn.Module, small_rows: int = 0,
-                       skip_small: Collection[str] = ()) -> int:
+                       skip_small: Collection[str] = (), head_rows: int | None = None) -> int:
     """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear`, in place.
 
     ``small_rows`` > 0 (bfloat16 weights, the fused kernels loaded): each layer not named in
     ``skip_small`` (those get int4 codes for small batches) also keeps a copy for the bf16
     small-batch kernel, run for batches of up to ``small_rows`` rows: faster than oneDNN
-    there, and a row's result does not depend on the batch (exact speculative verify).
+    there, and a row's result does not depend on the batch (exact speculative verify);
+    the LM head up to ``head_rows`` (default: ``small_rows``).
     Returns how many were packed; 0 (model untouched) where this torch build or CPU cannot.
     Tied weights stay intact: the embedding keeps the dense tensor, the head gets a packed
     copy.
@@ -138,7 +143,9 @@ def pack_linear_layers(model: nn.Module, small_rows: int = 0,
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = PackedLinear(linear, small_rows=0 if name in skip_small else small_rows)
+        rows = small_rows if head_rows is None or name.rpartition(".")[2] != "lm_head" \
+            else min(small_rows, head_rows)
+        packed = PackedLinear(linear, small_rows=0 if name in skip_small else rows)
         if packed.small is not None:
             small_bytes += packed.small.weight.numel() * 2
         setattr(parent, attr, packed)

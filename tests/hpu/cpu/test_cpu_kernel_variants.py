@@ -105,6 +105,8 @@ def check_rows(fused, dtype, kv_heads, groups, dim, block, row_tables, row_lens,
     (2, 2, 256, 32),  # Gemma 2 2B
     (2, 1, 96, 16),  # Phi-3 mini
     (3, 3, 64, 16),  # SmolLM2
+    (3, 3, 64, 128),  # SmolLM2 at the CPU's default block: 32- and 64-token score passes
+    (1, 8, 128, 48),  # 8 query heads a kv head; 32-token passes that overrun a 48-token block
     (1, 2, 40, 12)])  # the generic loops: no fast path, no whole 16-token chunk
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17, 48, 130, 3], [130], [17, 2]],
                          ids=["rows-per-thread", "one-row", "two-rows"])  # the two splits
@@ -143,6 +145,38 @@ def test_prompt_rows_variants_match_dense(fused, dtype, variant, kv_heads, group
             row_tables.append(tables[seq])
     check_rows(fused, dtype, kv_heads, groups, dim, block, row_tables, row_lens, tables,
                rows, window, softcap, FP8 if fp8 else dtype, groups)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5], ids=["plain", "window5"])
+@pytest.mark.parametrize("kv_heads, groups, dim, block", [
+    (3, 3, 64, 128), (1, 4, 256, 16), (2, 1, 96, 16)])
+def test_a_verify_steps_rows_are_a_plain_decodes_bits(fused, dtype, window, kv_heads, groups,
+                                                      dim, block) -> None:
+    """Speculative decoding verifies k + 1 consecutive tokens of a sequence in one call;
+    each row must come out as the one-row decode of that token would, bit for bit, or greedy
+    text with speculation drifts from greedy text without it."""
+    torch.manual_seed(dim)
+    ctx, k1, seqs = 150, 5, 3
+    per = -(-(ctx + k1) // block)
+    k_cache, v_cache = random_cache(seqs * per, kv_heads, block, dim, dtype, dtype)
+    keys_t = k_cache.transpose(2, 3).contiguous()
+    tables = torch.randperm(seqs * per, dtype=torch.int32).view(seqs, per)
+    query = torch.randn(seqs * k1, kv_heads * groups, dim, dtype=dtype)
+    lens = torch.tensor([ctx + i + 1 for _ in range(seqs) for i in range(k1)],
+                        dtype=torch.int32)
+    rows_tables = tables.repeat_interleave(k1, 0).contiguous()
+
+    def attend(rows: slice) -> torch.Tensor:
+        meta = AttentionMetadata(False, block, torch.zeros(len(lens[rows]), dtype=torch.long),
+                                 block_tables=rows_tables[rows].contiguous(),
+                                 seq_lens=lens[rows].contiguous())
+        return fused.decode_attention(query[rows], (keys_t, v_cache), meta, dim**-0.5, None,
+                                      window)
+
+    together = attend(slice(None))
+    for row in range(len(lens)):
+        assert torch.equal(together[row], attend(slice(row, row + 1))[0]), row
 
 
 # gpt-oss: sinks alone, with its 128-token-style window, and with an fp8 cache

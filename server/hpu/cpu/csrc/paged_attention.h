@@ -30,85 +30,10 @@
 
 #include <vector>
 
-#include "kernel_utils.h"
+#include "attention_common.h"
+#include "decode_head_bf16.h"
 
 namespace hpu_serve {
-
-struct AttentionArgs {
-  at::Tensor query, k_cache, v_cache, block_tables, seq_lens, out;
-  float scale;
-  int64_t window;  // 0: none
-  float softcap;   // 0: none
-  int64_t chunk = 0;  // 0: none
-  const float* sinks = nullptr;  // [query heads] fp32 sink logits; nullptr: none
-};
-
-// 1 / the softmax denominator of query head g: the running sum (relative to run_max), plus
-// the head's sink exp(sink - run_max) when there are sinks. An empty row (run_max -inf)
-// gets 0, so its output is zeros, not NaN.
-inline float softmax_inv(float run_sum, float run_max, const float* sinks, int64_t g) {
-  float denom = run_sum;
-  if (sinks != nullptr) denom += std::exp(sinks[g] - run_max);
-  return denom > 0.f && std::isfinite(denom) ? 1.f / denom : 0.f;
-}
-
-// The sinks of kv head h's G query heads (nullptr: none).
-inline const float* head_sinks(const float* sinks, int64_t h, int64_t groups) {
-  return sinks == nullptr ? nullptr : sinks + h * groups;
-}
-
-// The first key position a row with `len` tokens sees (its query is the last of them):
-// the later of its window's start and its chunk's.
-inline int64_t first_visible(int64_t len, int64_t window, int64_t chunk) {
-  const int64_t from = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
-  return chunk > 0 && len > 0 ? std::max<int64_t>(from, (len - 1) / chunk * chunk) : from;
-}
-
-// Scores p[0..n) -> cap * tanh(p / cap), as the PyTorch path caps them (cap 0: none).
-inline void cap_scores(float* p, int64_t n, float softcap) {
-  if (softcap <= 0.f) return;
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) p[j] = fast_tanh(p[j] / softcap) * softcap;
-}
-
-// Attention of one (row, kv head): its query heads against the row's cached keys/values,
-// block by block, with an online softmax in fp32. Each key and value is read once for all
-// the query heads that share it. A block step sees slots [lo, n) of its block (lo > 0 only
-// in the first block a window reaches; n < block only in the row's last one).
-
-// The softmax part of one block for query head g: probs p[0..n) hold the scores on entry
-// and exp(score - running max) on exit; the running sum and the accumulated output (dim
-// floats) are rescaled when the max grows.
-inline void softmax_block(float* p, int64_t n, float& run_max, float& run_sum, float* acc,
-                          int64_t dim) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  // 16 lanes by hand: GCC leaves the reduction below as a scalar vmaxss chain (measured
-  // ~10% of the decode kernel); a max is exact in any order
-  f32x16 lanes = f32x16{} + neg_inf;
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const f32x16 x = load16(p + j);
-    lanes = x > lanes ? x : lanes;
-  }
-  float block_max = neg_inf;
-  for (int l = 0; l < 16; ++l) block_max = std::max(block_max, lanes[l]);
-  for (; j < n; ++j) block_max = std::max(block_max, p[j]);
-  const float new_max = std::max(run_max, block_max);
-  // 0 on the first block (run_max is -inf there), 1 while the max holds.
-  const float correction = run_max == neg_inf ? 0.f : fast_exp(run_max - new_max);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    p[j] = fast_exp(p[j] - new_max);
-    sum += p[j];
-  }
-  run_sum = run_sum * correction + sum;
-  run_max = new_max;
-  if (correction != 1.f) {
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) acc[d] *= correction;
-  }
-}
 
 // Any head size, group count and block size: runtime loops (the fallback).
 template <typename T, typename C>
@@ -130,7 +55,10 @@ struct GenericHead {
   }
 
   // slots [lo, n) of one block: keys_t [dim, block], values [block, dim].
-  void block_step(const C* keys_t, const C* values, int64_t lo, int64_t n, float softcap) {
+  void block_step(const C* keys_t, const C* values, int64_t lo, int64_t n, float softcap,
+                  Drip next_k = {}, Drip next_v = {}) {
+    next_k.rest();
+    next_v.rest();
     for (int64_t g = 0; g < groups; ++g) {
       float* p = probs.data() + g * block;
       std::fill(p + lo, p + n, 0.f);
@@ -198,9 +126,10 @@ struct FastHead {
 
   // Scores of the 16-token chunks at j0, j0 + 16, ... (NJ of them) into probs.
   template <int NJ>
-  void scores(const C* keys_t, int64_t j0) {
+  void scores(const C* keys_t, int64_t j0, Drip& next_k) {
     f32x16 s[NJ][G] = {};
     for (int d = 0; d < DIM; ++d) {
+      next_k.next();
       const C* row = keys_t + d * block + j0;
       f32x16 k[NJ];
       for (int t = 0; t < NJ; ++t) k[t] = load16(row + 16 * t);
@@ -214,10 +143,15 @@ struct FastHead {
     }
   }
 
-  void block_step(const C* keys_t, const C* values, int64_t lo, int64_t n, float softcap) {
+  void block_step(const C* keys_t, const C* values, int64_t lo, int64_t n, float softcap,
+                  Drip next_k = {}, Drip next_v = {}) {
     int64_t j0 = lo / 16 * 16;
-    for (; j0 + 16 * JT <= n; j0 += 16 * JT) scores<JT>(keys_t, j0);
-    for (; j0 < n; j0 += 16) scores<1>(keys_t, j0);
+    const int64_t chunks = (n - j0 + 15) / 16;
+    next_k.pace(DIM * (chunks / JT + chunks % JT));
+    next_v.pace(DIM / (16 * DT) * (n - lo));
+    for (; j0 + 16 * JT <= n; j0 += 16 * JT) scores<JT>(keys_t, j0, next_k);
+    for (; j0 < n; j0 += 16) scores<1>(keys_t, j0, next_k);
+    next_k.rest();
     for (int g = 0; g < G; ++g) {
       float* p = probs.data() + g * block;
       cap_scores(p + lo, n - lo, softcap);
@@ -229,6 +163,7 @@ struct FastHead {
         for (int g = 0; g < G; ++g) a[t][g] = load16(acc[g] + d0 + 16 * t);
       }
       for (int64_t j = lo; j < n; ++j) {
+        next_v.next();
         f32x16 v[DT];
         for (int t = 0; t < DT; ++t) v[t] = load16(values + j * DIM + d0 + 16 * t);
         for (int g = 0; g < G; ++g) {
@@ -240,6 +175,7 @@ struct FastHead {
         for (int g = 0; g < G; ++g) store16(acc[g] + d0 + 16 * t, a[t][g]);
       }
     }
+    next_v.rest();
   }
 
   void finish(T* out, const float* sinks) {
@@ -250,6 +186,17 @@ struct FastHead {
     }
   }
 };
+
+// The head a decode row runs: vdpbf16ps where the query and cache are bf16 and the CPU has
+// it, FastHead's fp32 FMAs otherwise.
+#ifdef HPU_SERVE_DECODE_BF16_DOT
+template <typename T, typename C, int G, int DIM>
+using DecodeHead = std::conditional_t<std::is_same_v<T, BFloat16> && std::is_same_v<C, BFloat16>,
+                                      Bf16Head<G, DIM>, FastHead<T, C, G, DIM>>;
+#else
+template <typename T, typename C, int G, int DIM>
+using DecodeHead = FastHead<T, C, G, DIM>;
+#endif
 
 // QT consecutive query tokens of one sequence (the rows of a prompt chunk) against the same
 // blocks: each key/value vector loaded serves QT x G query heads, where one row at a time
@@ -384,6 +331,13 @@ inline void for_each_block(const int32_t* table, int64_t len, int64_t window, in
 // Returns false (nothing done) when no two rows belong together (decode batches).
 template <typename T, typename C, int G, int DIM>
 bool prompt_attention_impl(const AttentionArgs& a) {
+  if constexpr (!std::is_same_v<DecodeHead<T, C, G, DIM>, FastHead<T, C, G, DIM>>) {
+    // Rows one at a time, on the decode head: a speculative verify step's rows then get a
+    // plain decode's bits (greedy text with speculation equals greedy text without it), and
+    // vdpbf16ps halves the arithmetic that grouping four rows shared (the re-reads of a block
+    // come from cache).
+    return false;
+  }
   constexpr int QT = 4;
   const int64_t rows = a.query.size(0);
   const int64_t width = a.block_tables.size(1);
@@ -415,7 +369,7 @@ bool prompt_attention_impl(const AttentionArgs& a) {
   check_lens(a);
   at::parallel_for(0, num_groups * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     FastTokens<T, C, G, DIM, QT> heads(block);
-    FastHead<T, C, G, DIM> lone(DIM, G, block);  // a row alone (a decode riding in the batch)
+    DecodeHead<T, C, G, DIM> lone(DIM, G, block);  // a row alone (a decode riding in the batch)
     const T* queries[QT];
     T* outs[QT];
     int64_t lo[QT], n[QT];
@@ -499,15 +453,8 @@ void decode_attention_impl(const AttentionArgs& a) {
   // prefetcher ramps up too late on them (measured: ~10 GB/s from DRAM against 36 GB/s
   // from cache), so the next block is requested while this one is computed.
   const int64_t block_bytes = block * dim * static_cast<int64_t>(sizeof(C));
-  auto prefetch = [&](int64_t offset) {
-    if (offset < 0) return;
-    const char* k = reinterpret_cast<const char*>(kc + offset);
-    const char* v = reinterpret_cast<const char*>(vc + offset);
-    for (int64_t i = 0; i < block_bytes; i += 64) {
-      __builtin_prefetch(k + i);
-      __builtin_prefetch(v + i);
-    }
-  };
+  auto next_k = [&](int64_t offset) { return offset < 0 ? Drip{} : Drip(kc + offset, block_bytes); };
+  auto next_v = [&](int64_t offset) { return offset < 0 ? Drip{} : Drip(vc + offset, block_bytes); };
 
   if (rows >= 2 * at::get_num_threads()) {
     // Enough rows to keep every thread busy: a thread takes whole rows and walks each
@@ -529,10 +476,12 @@ void decode_attention_impl(const AttentionArgs& a) {
           for (int64_t h = 0; h < num_kv_heads; ++h) {
             const int64_t next = h + 1 < num_kv_heads ? block_offset(r, h + 1, b)
                                                       : block_offset(r, 0, b + 1);
-            prefetch(next >= 0 ? next
-                               : (r + 1 < end ? block_offset(r + 1, 0, first_block(r + 1)) : -1));
+            const int64_t ahead =
+                next >= 0 ? next
+                          : (r + 1 < end ? block_offset(r + 1, 0, first_block(r + 1)) : -1);
             const int64_t offset = block_offset(r, h, b);
-            heads[h].block_step(kc + offset, vc + offset, lo, n, softcap);
+            heads[h].block_step(kc + offset, vc + offset, lo, n, softcap, next_k(ahead),
+                                next_v(ahead));
           }
         }
         for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -555,14 +504,15 @@ void decode_attention_impl(const AttentionArgs& a) {
       for (int64_t b = from / block; b * block < len; ++b) {
         const int64_t next = block_offset(r, h, b + 1);
         const int64_t r2 = (item + 1) / num_kv_heads;
-        prefetch(next >= 0 ? next
-                           : (item + 1 < end ? block_offset(r2, (item + 1) % num_kv_heads,
-                                                            first_block(r2))
-                                             : -1));
+        const int64_t ahead =
+            next >= 0 ? next
+                      : (item + 1 < end ? block_offset(r2, (item + 1) % num_kv_heads,
+                                                       first_block(r2))
+                                        : -1);
         const int64_t start = b * block;
         const int64_t offset = block_offset(r, h, b);
         head.block_step(kc + offset, vc + offset, std::max<int64_t>(from - start, 0),
-                        std::min(block, len - start), softcap);
+                        std::min(block, len - start), softcap, next_k(ahead), next_v(ahead));
       }
       head.finish(op + (r * num_heads + h * groups) * dim, head_sinks(a.sinks, h, groups));
     }
@@ -579,7 +529,7 @@ bool dispatch_groups(int64_t groups, const AttentionArgs& a) {
       if constexpr (G <= 4) { /* G x 4 lanes fit the vector registers */                  \
         if (prompt_attention_impl<T, C, G, DIM>(a)) return true;                           \
       }                                                                                    \
-      decode_attention_impl<T, C, FastHead<T, C, G, DIM>>(a);                              \
+      decode_attention_impl<T, C, DecodeHead<T, C, G, DIM>>(a);                            \
       return true;                                                                         \
     }                                                                                      \
     return false;
