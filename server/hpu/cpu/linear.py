@@ -143,8 +143,8 @@ def pack_linear_layers(model: nn.Module, small_rows: int = 0,
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        rows = small_rows if head_rows is None or name.rpartition(".")[2] != "lm_head" \
-            else min(small_rows, head_rows)
+        rows = min(small_rows, head_rows) if attr == "lm_head" and head_rows is not None \
+            else small_rows
         packed = PackedLinear(linear, small_rows=0 if name in skip_small else rows)
         if packed.small is not None:
             small_bytes += packed.small.weight.numel() * 2

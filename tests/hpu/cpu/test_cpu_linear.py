@@ -75,6 +75,9 @@ def test_eager_cpu_engine_serves_through_packed_layers(tiny_model) -> None:
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(model.lm_head, PackedLinear)
+    if model.lm_head.small is not None:  # the bf16 small-batch kernel: measured crossovers
+        assert model.layers[0].mlp.down_proj.small_rows == 64
+        assert model.lm_head.small_rows == 32
 
     prompts = [[5, 9, 31, 7], list(range(3, 40))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
