@@ -105,7 +105,9 @@ struct Drip {
     per = iterations > 0 ? (lines + iterations - 1) / iterations : lines;
   }
   void next() {
-    for (int64_t i = 0; i < per && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 2);
+    for (int64_t i = 0; i < per && p < end; ++i, p += 64) {
+      __builtin_prefetch(p, 0, 2);
+    }
   }
   void rest() {
     for (; p < end; p += 64) __builtin_prefetch(p, 0, 2);

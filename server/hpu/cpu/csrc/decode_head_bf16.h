@@ -79,7 +79,9 @@ struct Bf16Head {
   void start(const BFloat16* query, int64_t head_stride, float scale_) {
     scale = scale_;
     for (int g = 0; g < G; ++g) {
-      for (int i = 0; i < DIM / 2; ++i) q[g][i] = bf16_head::pair_bits(query + g * head_stride + 2 * i);
+      for (int i = 0; i < DIM / 2; ++i) {
+        q[g][i] = bf16_head::pair_bits(query + g * head_stride + 2 * i);
+      }
       std::fill(acc[g], acc[g] + DIM, 0.f);
       run_max[g] = -std::numeric_limits<float>::infinity();
       run_sum[g] = 0.f;

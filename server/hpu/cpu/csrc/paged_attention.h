@@ -3,7 +3,8 @@
 // path gathers the blocks into a copy first). Prefill chunks of the plain case (no window,
 // chunk, cap or sinks, the model's dtype in the cache) go to the tiled kernel of
 // prefill_attention.cpp; every other prefill uses this one, one row per prompt token with
-// causal per-row lengths, consecutive rows of one sequence four at a time, so each
+// causal per-row lengths: bf16 caches on AVX-512 BF16 one row at a time on the decode head
+// (decode_head_bf16.h), others consecutive rows of one sequence four at a time, so each
 // key/value read serves four tokens.
 //
 // Keys are stored transposed within each block, [blocks, kv_heads, head_dim, block_size], so
@@ -453,8 +454,8 @@ void decode_attention_impl(const AttentionArgs& a) {
   // prefetcher ramps up too late on them (measured: ~10 GB/s from DRAM against 36 GB/s
   // from cache), so the next block is requested while this one is computed.
   const int64_t block_bytes = block * dim * static_cast<int64_t>(sizeof(C));
-  auto next_k = [&](int64_t offset) { return offset < 0 ? Drip{} : Drip(kc + offset, block_bytes); };
-  auto next_v = [&](int64_t offset) { return offset < 0 ? Drip{} : Drip(vc + offset, block_bytes); };
+  auto next_k = [&](int64_t at) { return at < 0 ? Drip{} : Drip(kc + at, block_bytes); };
+  auto next_v = [&](int64_t at) { return at < 0 ? Drip{} : Drip(vc + at, block_bytes); };
 
   if (rows >= 2 * at::get_num_threads()) {
     // Enough rows to keep every thread busy: a thread takes whole rows and walks each
