@@ -148,8 +148,7 @@ class Scheduler:
         if rebalanced:
             decode = decode or ScheduledBatch(Phase.DECODE, [], [])
             decode.preempted[:0] = rebalanced
-        budget = self.limits.max_num_batched_tokens - (len(decode.seqs) if decode else 0)
-        chunks = self._schedule_chunks(budget)
+        chunks = self._schedule_chunks(self._prompt_budget(decode))
         if (self.fuse_decodes and decode is not None and decode.seqs and len(chunks) == 1
                 and decode.spec_token_ids is None):
             prompt = chunks[0]
@@ -281,6 +280,25 @@ class Scheduler:
         if seqs:
             alone.append(ScheduledBatch(Phase.PREFILL, seqs, num_new_tokens=chunks))
         return alone
+
+    def _prompt_budget(self, decode: ScheduledBatch | None) -> int:
+        """What a mixed step leaves for prompt chunks: the token budget less the decodes,
+        or less the decodes that will run beside the last prompt of those running and
+        waiting (all of them but that one, up to ``max_num_seqs``; at most half the
+        budget), whichever is more. A lone prompt keeps the whole budget.
+
+        Planning against the full batch keeps the admission rate of a burst what the steps
+        can sustain once that batch decodes. Counting only today's decodes let a burst of
+        64 prompts into a still-small batch two or three at a time; a closed-loop client
+        sends its next request as each finishes, so those fast admissions came back as
+        arrivals faster than the full batch admits them (448 tokens a step), queued, and
+        the second wave waited ~2 s for its first token (measured: TTFT p50 at 64 streams
+        2.2 -> 1.0 s on ~230-token chat prompts, 1.25 -> 0.83 s on 200-token ones)."""
+        limit = self.limits.max_num_batched_tokens
+        decodes = len(decode.seqs) if decode is not None else 0
+        planned = min(self.limits.max_num_seqs, len(self.running) + len(self.waiting) - 1,
+                      limit // 2)
+        return limit - max(decodes, planned)
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """The next chunk of ``seq``'s prompt from ``start``: all of it within ``budget``,
