@@ -298,7 +298,11 @@ class Scheduler:
         decodes = len(decode.seqs) if decode is not None else 0
         planned = min(self.limits.max_num_seqs, len(self.running) + len(self.waiting) - 1,
                       limit // 2)
-        return limit - max(decodes, planned)
+        # Never under one block where the decodes leave one: a chunk that stops short of
+        # its prompt ends on a block boundary, so less would stall every prompt of a step
+        # with nothing decoding (a 16-token budget with 16-token blocks and two prompts).
+        return max(limit - max(decodes, planned),
+                   min(limit - decodes, self.block_manager.block_size))
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """The next chunk of ``seq``'s prompt from ``start``: all of it within ``budget``,

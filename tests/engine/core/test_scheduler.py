@@ -217,3 +217,14 @@ def test_a_lone_long_prompt_keeps_the_whole_budget() -> None:
     sched.add(make_seq(0, 2000))
     assert [b.num_new_tokens for b in fake_steps(sched)] == [[512]]
     assert [b.num_new_tokens for b in fake_steps(sched)] == [[512]]
+
+
+def test_a_budget_of_one_block_still_admits_prompts_that_do_not_decode_yet() -> None:
+    # budget 16 = one block, two long prompts: planned against the second one's decode
+    # the budget would be 15, and a chunk of 15 ends on no block boundary
+    sched = Scheduler(SchedulerLimits(4, 16, 4096, chunked_prefill=True), BlockManager(64, 16))
+    sched.add(make_seq(0, 53))
+    sched.add(make_seq(1, 20))
+    assert [[b.num_new_tokens for b in fake_steps(sched)] for _ in range(4)] == [
+        [[16]], [[16]], [[16]], [[5]]]
+    assert sched.running[0].num_output_tokens == 1
