@@ -289,7 +289,7 @@ class Scheduler:
 
         Planning against the full batch keeps the admission rate of a burst what the steps
         can sustain once that batch decodes. Counting only today's decodes let a burst of
-        64 prompts into a still-small batch two or three at a time; a closed-loop client
+        64 prompts into a still-small batch two at a time; a closed-loop client
         sends its next request as each finishes, so those fast admissions came back as
         arrivals faster than the full batch admits them (448 tokens a step), queued, and
         the second wave waited ~2 s for its first token (measured: TTFT p50 at 64 streams

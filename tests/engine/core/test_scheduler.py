@@ -204,8 +204,8 @@ def test_a_burst_is_admitted_at_the_rate_its_full_batch_sustains() -> None:
     # chat benchmark at 64 streams): the burst's prompts are admitted as if its 64
     # decodes already ran, two whole prompts a step at most, so the second wave, which
     # arrives as fast as the first was admitted, finds no queue. Planned against today's
-    # decodes only, the first prompts came in threes and their successors queued for
-    # ~9 steps.
+    # decodes only, the first ~40 prompts came in two a step and their successors, which
+    # a full batch admits 1.4 a step, queued for up to 6 steps.
     first, second = closed_loop_waits(64, 229, 128, 512, 128)
     assert max(second) <= 3
     assert sorted(first)[-1] >= 20  # the burst itself still queues: 64 prompts, 2 a step
