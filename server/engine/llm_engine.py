@@ -18,7 +18,12 @@ from server.engine.core.scheduler import Scheduler, Speculation
 from server.engine.core.sequence import ScheduledBatch
 from server.engine.core.sequence import Sequence as Seq
 from server.engine.core.state_cache import StateSlots
-from server.engine.errors import EngineFaultError, EngineSleepingError, RequestError
+from server.engine.errors import (
+    EngineFaultError,
+    EngineSleepingError,
+    RequestError,
+    RequestFailedError,
+)
 from server.engine.executor import FaultListener, RankExecutor, make_executor
 from server.engine.input_processor import InputProcessor
 from server.engine.iteration_stats import IterationTokens
@@ -264,7 +269,10 @@ class LLMEngine:
         one of them otherwise) run back to back."""
         outputs: list[RequestOutput] = []
         tokens: list[int] = []
-        for batch in self.scheduler.schedule():
+        batches = self.scheduler.schedule()
+        if not batches and self.scheduler.has_unfinished():
+            return self._fail_unplaceable()
+        for batch in batches:
             # an earlier batch of this step may have ended a request (a failure)
             live = [seq for seq in batch.seqs if not seq.is_finished]
             if not live:
@@ -275,6 +283,24 @@ class LLMEngine:
         self._iteration_tokens.observe(tokens)
         self.runner.between_steps()  # adaptive bucketing warms here, outside any step
         return outputs
+
+    def _fail_unplaceable(self) -> list[RequestOutput]:
+        """The scheduler placed nothing although requests wait and nothing decodes: nothing
+        will free room, so the next step would place nothing either and the engine would
+        spin forever (a token budget that rounds every chunk to zero did, once). Ends the
+        request that cannot be placed, with the scheduler's state in the error, so that
+        the others go on."""
+        scheduler = self.scheduler
+        seq = scheduler.running[0] if scheduler.running else scheduler.waiting[0]
+        stats = self.stats()
+        error = RequestFailedError(seq.request_id, (
+            f"the scheduler could not place it ({seq.num_tokens} tokens, "
+            f"{seq.num_computed_tokens} computed; {stats.num_free_blocks} of "
+            f"{stats.num_blocks} KV blocks free; {scheduler.num_running} running, "
+            f"{scheduler.num_waiting} waiting)"))
+        scheduler.abort(seq.request_id)
+        failure = self.output_processor.fail(seq.request_id, error)
+        return [failure] if failure is not None else []
 
     def _step_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         for seq in batch.seqs:

@@ -7,6 +7,7 @@ and the output processing (detokenization) of one request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -86,6 +87,41 @@ def test_output_processing_fault_ends_only_its_request(engine: LLMEngine, monkey
     assert finals["x"].error is None
     assert finals["x"].num_generated_tokens == 8
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_a_request_the_scheduler_cannot_place_fails_instead_of_spinning(
+        engine: LLMEngine, monkeypatch) -> None:
+    """A scheduling bug (here: a plan that never fits one prompt) leaves that request
+    waiting with nothing running to free room. The engine ends it with the scheduler's
+    state in the error, and the requests behind it run, within a bounded number of steps."""
+    solo = {rid: run_all(engine, {rid: p})[rid].outputs[0].token_ids
+            for rid, p in PROMPTS.items() if rid != "bad"}
+    plan = engine.scheduler.block_manager.plan
+
+    def never_fits(seq):  # noqa: ANN001, ANN202
+        found = plan(seq)
+        return dataclasses.replace(found, fits=False) if POISON in seq.prompt_token_ids else found
+
+    monkeypatch.setattr(engine.scheduler.block_manager, "plan", never_fits)
+    for request_id, prompt in PROMPTS.items():  # "b" queues behind "bad"
+        engine.add_request(request_id, prompt, PARAMS)
+    finals: dict = {}
+    for _ in range(100):  # without the guard: the engine spins here, placing nothing
+        for out in engine.step():
+            if out.request_id in finals:
+                finals[out.request_id].add(out)
+            else:
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finals) == set(PROMPTS), f"still waiting: {engine.stats()}"
+    assert "could not place it" in finals["bad"].error
+    assert finals["bad"].outputs[0].finish_reason == "abort"
+    for rid in ("a", "b"):
+        assert finals[rid].error is None
+        assert finals[rid].outputs[0].token_ids == solo[rid]
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks, "the failed request leaked KV blocks"
 
 
 def test_steps_failing_for_everyone_are_an_engine_fault(engine: LLMEngine, monkeypatch) -> None:
