@@ -78,7 +78,9 @@ def start_server(model: str | None, *flags: str, env: dict[str, str] | None = No
         env = dict(env or {}, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     args = [sys.executable, *launcher, "serve"] + ([model] if model else [])
     args += ["--host", "127.0.0.1", "--port", str(port), *flags]
-    full_env = dict(os.environ, **(env or {}))
+    # One OpenMP thread unless a test asks for more: the tiny test models gain nothing from
+    # a second, and its spin-waits take the core the other test worker needs.
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = ServerProcess(proc, port, log_path)

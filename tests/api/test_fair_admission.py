@@ -21,6 +21,10 @@ from server_process import MODEL_NAME, TINY_FLAGS, start_server
 pytestmark = pytest.mark.slow  # make test-fast skips it; make test (CI) runs it
 
 A_ADDRESS = "127.0.0.2"  # the flooding client; the control client connects from 127.0.0.1
+LONG = 480  # tokens of a stream that holds its sequence (the tiny model's context is 512)
+# Steps slowed by 5 ms, so a held stream of LONG tokens lasts ~2.4 s whatever the CPU: the tiny
+# model alone can finish it in a quarter of a second, before the test has looked at it.
+HOLD = "slow:0.005"
 
 
 def wait_for(server, name: str, value: float, timeout: float = 30.0) -> None:
@@ -47,7 +51,7 @@ def control(server) -> float:
 def limited(tiny_model):
     """Small limits: 4 sequences per request, 4 per client, 8 waiting at most."""
     srv = start_server(tiny_model[0], *TINY_FLAGS, "--max-seqs-per-request", "4",
-                       "--max-client-seqs", "4", "--max-waiting-requests", "8")
+                       "--max-client-seqs", "4", "--max-waiting-requests", "8", fault=HOLD)
     yield srv
     srv.stop()
 
@@ -93,7 +97,6 @@ def test_sequence_limit_names_prompt_or_n(limited) -> None:
     assert len(ok.json()["choices"]) == 4
 
 
-LONG = 480  # tokens of a stream that holds its sequence (the tiny model's context is 512)
 
 
 def _hold_streams(url: str, count: int, opened: threading.Barrier,
@@ -190,7 +193,7 @@ def test_counts_return_to_zero_however_requests_end(limited) -> None:
 
 def small_server(tiny_model, *flags: str):
     return start_server(tiny_model[0], "--dtype", "float32", "--block-size", "16",
-                        "--served-model-name", MODEL_NAME, *flags)
+                        "--served-model-name", MODEL_NAME, *flags, fault=HOLD)
 
 
 def test_full_queue_is_503_with_retry_after(tiny_model) -> None:
