@@ -27,11 +27,14 @@ def engine(tiny_model) -> LLMEngine:
                                         max_num_seqs=8))
 
 
-def run_all(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict:
+def run_all(engine: LLMEngine, prompts: dict[str, list[int]], max_steps: int = 10**6) -> dict:
+    """Each request's whole output, stepping until none is left (or ``max_steps``)."""
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, PARAMS)
     results: dict = {}
-    while engine.has_unfinished_requests():
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
         for out in engine.step():
             if out.request_id in results:
                 results[out.request_id].add(out)
@@ -103,18 +106,9 @@ def test_a_request_the_scheduler_cannot_place_fails_instead_of_spinning(
         return dataclasses.replace(found, fits=False) if POISON in seq.prompt_token_ids else found
 
     monkeypatch.setattr(engine.scheduler.block_manager, "plan", never_fits)
-    for request_id, prompt in PROMPTS.items():  # "b" queues behind "bad"
-        engine.add_request(request_id, prompt, PARAMS)
-    finals: dict = {}
-    for _ in range(100):  # without the guard: the engine spins here, placing nothing
-        for out in engine.step():
-            if out.request_id in finals:
-                finals[out.request_id].add(out)
-            else:
-                finals[out.request_id] = out
-        if not engine.has_unfinished_requests():
-            break
-    assert set(finals) == set(PROMPTS), f"still waiting: {engine.stats()}"
+    # "b" queues behind "bad"; without the guard the engine spins, placing nothing
+    finals = run_all(engine, PROMPTS, max_steps=100)
+    assert not engine.has_unfinished_requests(), f"still waiting: {engine.stats()}"
     assert "could not place it" in finals["bad"].error
     assert finals["bad"].outputs[0].finish_reason == "abort"
     for rid in ("a", "b"):
