@@ -58,19 +58,25 @@ def poison_runner(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
 PROMPTS = {"a": [3, 4, 5, 6], "bad": [3, POISON, 5], "b": [8, 9, 10, 11, 12]}
 
 
-def test_runner_fault_ends_only_its_request(engine: LLMEngine, monkeypatch) -> None:
-    solo = {rid: run_all(engine, {rid: p})[rid].outputs[0].token_ids
-            for rid, p in PROMPTS.items() if rid != "bad"}
-    poison_runner(engine, monkeypatch)
-    finals = run_all(engine, PROMPTS)
-    assert finals["bad"].error is not None
-    assert "OverflowError" in finals["bad"].error
+def only_bad_failed(engine: LLMEngine, finals: dict, solo: dict, error: str) -> None:
+    """"bad" ended with ``error``; "a" and "b" gave their solo tokens; no KV block leaked."""
+    assert error in finals["bad"].error
     assert finals["bad"].outputs[0].finish_reason == "abort"
     for rid in ("a", "b"):
         assert finals[rid].error is None
         assert finals[rid].outputs[0].token_ids == solo[rid]
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks, "the failed request leaked KV blocks"
+
+
+def test_runner_fault_ends_only_its_request(engine: LLMEngine, monkeypatch) -> None:
+    solo = {rid: run_all(engine, {rid: p})[rid].outputs[0].token_ids
+            for rid, p in PROMPTS.items() if rid != "bad"}
+    poison_runner(engine, monkeypatch)
+    finals = run_all(engine, PROMPTS)
+    assert finals["bad"].error is not None
+    only_bad_failed(engine, finals, solo, "OverflowError")
+    stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
 
 
@@ -109,13 +115,7 @@ def test_a_request_the_scheduler_cannot_place_fails_instead_of_spinning(
     # "b" queues behind "bad"; without the guard the engine spins, placing nothing
     finals = run_all(engine, PROMPTS, max_steps=100)
     assert not engine.has_unfinished_requests(), f"still waiting: {engine.stats()}"
-    assert "could not place it" in finals["bad"].error
-    assert finals["bad"].outputs[0].finish_reason == "abort"
-    for rid in ("a", "b"):
-        assert finals[rid].error is None
-        assert finals[rid].outputs[0].token_ids == solo[rid]
-    stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks, "the failed request leaked KV blocks"
+    only_bad_failed(engine, finals, solo, "could not place it")
 
 
 def test_steps_failing_for_everyone_are_an_engine_fault(engine: LLMEngine, monkeypatch) -> None:
