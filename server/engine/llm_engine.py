@@ -16,15 +16,10 @@ from server.config import EngineConfig, ModelOptions, SpecMethod, SpeculativeSet
 from server.engine.core.block_manager import BlockManager
 from server.engine.core.scheduler import Scheduler, Speculation
 from server.engine.core.sequence import ScheduledBatch
-from server.engine.core.sequence import Sequence as Seq
 from server.engine.core.state_cache import StateSlots
-from server.engine.errors import (
-    EngineFaultError,
-    EngineSleepingError,
-    RequestError,
-    RequestFailedError,
-)
+from server.engine.errors import RequestError
 from server.engine.executor import FaultListener, RankExecutor, make_executor
+from server.engine.failures import RequestIsolation
 from server.engine.input_processor import InputProcessor
 from server.engine.iteration_stats import IterationTokens
 from server.engine.lora.registry import LoRARegistry
@@ -37,6 +32,7 @@ from server.engine.request_state import RequestState
 from server.engine.sampling_defaults import SamplingDefaults
 from server.engine.sampling_params import SamplingParams
 from server.engine.sleep import ALL_TAGS, SleepLevel, WakeTag
+from server.engine.sleeper import Sleeper
 from server.engine.spec_decode.ngram import NgramProposer
 from server.engine.spec_decode.stats import SpecDecodeStats
 from server.engine.structured_outputs.backend import StructuredOutputs
@@ -45,7 +41,6 @@ from server.engine.worker.builder import build_model_runner
 from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE
 from server.hpu.platform import Platform, detect_platform
-from server.models.errors import ModelFileError
 from server.models.generation_config import generation_defaults
 from server.models.gguf import open_gguf
 from server.models.hub import with_local_model
@@ -58,10 +53,6 @@ from server.models.loader import (
 from server.models.lora import AdapterError
 
 logger = logging.getLogger(__name__)
-
-# Consecutive steps in which every request failed before the engine declares a device fault.
-MAX_FAILED_STEPS = 3
-
 
 class LLMEngine:
     """Assembly of the engine core: ``step() = schedule -> run -> process outputs``.
@@ -164,14 +155,13 @@ class LLMEngine:
                                               self.structured_outputs, images)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.limits.max_model_len)
-        self._failed_steps = 0
+        self.failures = RequestIsolation(self.scheduler, self.output_processor, self._run,
+                                         self.stats)
         self._iteration_tokens = IterationTokens(self.model_name, self.counters.registry,
                                                  self.limits.max_num_batched_tokens)
         self.sleep_mode = config.device.enable_sleep_mode
-        # what /sleep freed and no /wake_up has restored yet (empty: awake)
-        self._asleep: set[WakeTag] = set()
-        # the deepest level slept since the engine was last wholly awake (vllm:engine_sleep_state)
-        self._sleep_level: SleepLevel | None = None
+        self.sleeper = Sleeper(self.sleep_mode, self.executor is not None, self.runner,
+                               self.block_manager, self._abort_all)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB, max_model_len %d, "
             "max_num_seqs %d", self.runner.num_blocks, block_size,
@@ -236,8 +226,7 @@ class LLMEngine:
 
     def enqueue(self, state: RequestState) -> None:
         """Queues a prepared request (engine thread only)."""
-        if self._asleep:
-            raise EngineSleepingError("the engine is sleeping (POST /wake_up to resume)")
+        self.sleeper.check_awake()
         if state.request_id in self.output_processor.requests:
             raise RequestError(f"request id {state.request_id!r} is already in use", "request_id")
         self.output_processor.add(state)
@@ -271,7 +260,7 @@ class LLMEngine:
         tokens: list[int] = []
         batches = self.scheduler.schedule()
         if not batches and self.scheduler.has_unfinished():
-            return self._fail_unplaceable()
+            return self.failures.unplaceable()
         for batch in batches:
             # an earlier batch of this step may have ended a request (a failure)
             live = [seq for seq in batch.seqs if not seq.is_finished]
@@ -284,24 +273,6 @@ class LLMEngine:
         self.runner.between_steps()  # adaptive bucketing warms here, outside any step
         return outputs
 
-    def _fail_unplaceable(self) -> list[RequestOutput]:
-        """The scheduler placed nothing although requests wait and nothing decodes: nothing
-        will free room, so the next step would place nothing either and the engine would
-        spin forever (a token budget that rounds every chunk to zero did, once). Ends the
-        request that cannot be placed, with the scheduler's state in the error, so that
-        the others go on."""
-        scheduler = self.scheduler
-        seq = scheduler.running[0] if scheduler.running else scheduler.waiting[0]
-        stats = self.stats()
-        error = RequestFailedError(seq.request_id, (
-            f"the scheduler could not place it ({seq.num_tokens} tokens, "
-            f"{seq.num_computed_tokens} computed; {stats.num_free_blocks} of "
-            f"{stats.num_blocks} KV blocks free; {scheduler.num_running} running, "
-            f"{scheduler.num_waiting} waiting)"))
-        scheduler.abort(seq.request_id)
-        failure = self.output_processor.fail(seq.request_id, error)
-        return [failure] if failure is not None else []
-
     def _step_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         for seq in batch.seqs:
             metrics = self.output_processor.requests[seq.request_id].metrics
@@ -311,8 +282,14 @@ class LLMEngine:
         try:
             sampled, result = self._execute(batch)
         except Exception as exc:
-            return self._isolate_failure(batch, exc)
-        self._failed_steps = 0
+            return self.failures.isolate(batch, exc)
+        self.failures.failed_steps.reset()
+        return self._retire(self.output_processor.process(sampled, result), batch)
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Executes a batch and retires what it finished (a request run alone after its
+        batch failed)."""
+        sampled, result = self._execute(batch)
         return self._retire(self.output_processor.process(sampled, result), batch)
 
     def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, ModelRunnerOutput]:
@@ -356,39 +333,6 @@ class LLMEngine:
                     self.block_manager.trim(seq)
         return processed.outputs
 
-    def _isolate_failure(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
-        """A step raised: run each request of the batch on its own, so that a fault tied to
-        one request ends that request only. Re-running is safe: nothing was committed (the
-        KV slots are rewritten with the same values). Steps in which nothing succeeds point
-        at the device, not at a request; after a few in a row the engine gives up."""
-        by_request: dict[str, list[Seq]] = {}
-        for seq in batch.seqs:
-            by_request.setdefault(seq.request_id, []).append(seq)
-        outputs: list[RequestOutput] = []
-        succeeded = False
-        for request_id, seqs in by_request.items():
-            error: Exception = exc
-            if len(by_request) > 1:
-                try:
-                    sampled, result = self._execute(batch.subset(seqs))
-                except Exception as sub_exc:  # noqa: BLE001 - this request's own fault
-                    error = sub_exc
-                else:
-                    succeeded = True
-                    outputs += self._retire(self.output_processor.process(sampled, result),
-                                            batch.subset(seqs))
-                    continue
-            self.scheduler.abort(request_id)
-            failure = self.output_processor.fail(request_id, error)
-            if failure is not None:
-                outputs.append(failure)
-        self._failed_steps = 0 if succeeded else self._failed_steps + 1
-        if self._failed_steps >= MAX_FAILED_STEPS:
-            raise EngineFaultError(
-                f"{self._failed_steps} engine steps in a row failed for every request in "
-                f"them; last error: {exc!r}") from exc
-        return outputs
-
     def request_ids(self) -> list[str]:
         """Every request the engine holds (waiting or running)."""
         return list(self.output_processor.requests)
@@ -402,7 +346,7 @@ class LLMEngine:
             self.scheduler.num_running, self.scheduler.num_waiting, bm.num_free_blocks,
             bm.num_blocks, bm.usage, self.scheduler.num_preemptions,
             bm.stats.queries, bm.stats.hits, *self._lora_stats(), *self._spec_stats(),
-            sleep_level=int(self._sleep_level) if self._sleep_level is not None else 0,
+            sleep_level=int(self.sleeper.level) if self.sleeper.level is not None else 0,
         )
 
     def _speculation(self, spec: SpeculativeSettings | None) -> Speculation | None:
@@ -446,72 +390,21 @@ class LLMEngine:
 
     @property
     def is_sleeping(self) -> bool:
-        """Asleep from ``sleep`` until a wake has restored everything it freed."""
-        return bool(self._asleep)
+        return self.sleeper.is_sleeping
 
     def sleep(self, level: SleepLevel) -> list[RequestOutput]:
-        """Aborts every request (their last outputs are returned, finish_reason "abort"),
-        forgets every cached prefix, then frees the KV cache and the weights as ``level``
-        says. Engine thread only, between steps. Asleep already: frees more (level 2 after
-        level 1), never less."""
-        self._check_sleep_mode()
-        ended = [out for out in map(self.abort_request, self.request_ids()) if out is not None]
-        self.block_manager.reset_prefix_cache()
-        bm = self.block_manager
-        assert bm.num_free_blocks == bm.num_blocks, "a KV block outlived its request"
-        self.runner.sleep(level)
-        self._asleep = set(ALL_TAGS)
-        self._sleep_level = max(level, self._sleep_level or level)
-        logger.info("Asleep (level %d): %d request(s) aborted, %.1f MiB of KV cache and "
-                    "%.1f MiB of weights %s", level, len(ended),
-                    self.runner.kv_cache_bytes / 2**20, self._memory_bytes() / 2**20,
-                    "dropped" if level is SleepLevel.DISCARD else "offloaded to host memory"
-                    if self.runner.platform.device.type != "cpu" else "kept (host memory)")
-        return ended
+        """Engine thread only, between steps (``Sleeper.sleep``)."""
+        return self.sleeper.sleep(level)
 
     def wake_up(self, tags: frozenset[WakeTag] = ALL_TAGS) -> None:
-        """Restores what ``tags`` name (everything by default); the KV cache comes back
-        empty, with no cached prefix."""
-        self._check_sleep_mode()
-        start = time.monotonic()
-        self.runner.wake_up(tags)
-        self._asleep -= tags
-        if not self._asleep:
-            self._sleep_level = None
-        if WakeTag.KV_CACHE in tags:
-            self.block_manager.reset_prefix_cache()
-        logger.info("Woke %s in %.2f s%s", "/".join(sorted(t.value for t in tags)),
-                    time.monotonic() - start,
-                    "" if not self._asleep else " (still asleep: "
-                    + "/".join(sorted(t.value for t in self._asleep)) + " not restored)")
+        self.sleeper.wake_up(tags)
 
     def reload_weights(self, path: str) -> None:
-        """Swaps in the weights at ``path`` (same architecture and shapes, else a
-        RequestError naming what differs), in place, between steps. Cached prefixes are
-        forgotten (their K/V came from the old weights); running requests go on with the
-        new weights."""
-        self._check_sleep_mode()
-        start = time.monotonic()
-        try:
-            self.runner.reload_weights(path)
-        except (ModelFileError, ValueError, OSError) as exc:  # a mismatch is a ValueError
-            raise RequestError(str(exc), "path") from None
-        self.block_manager.reset_prefix_cache()
-        self._asleep.discard(WakeTag.WEIGHTS)
-        if not self._asleep:
-            self._sleep_level = None
-        logger.info("Reloaded the weights from %s in %.2f s", path, time.monotonic() - start)
+        """Between steps: running requests go on with the new weights."""
+        self.sleeper.reload_weights(path)
 
-    def _check_sleep_mode(self) -> None:
-        if not self.sleep_mode:
-            raise RequestError("sleep mode is off: start with --enable-sleep-mode")
-        if self.executor is not None:
-            raise RequestError("sleep mode and weight reload do not support tensor "
-                               "parallelism yet (--tensor-parallel-size > 1): the other "
-                               "ranks' memory would stay in use")
-
-    def _memory_bytes(self) -> int:
-        return self.runner.memory.weights_bytes if self.runner.memory is not None else 0
+    def _abort_all(self) -> list[RequestOutput]:
+        return [out for out in map(self.abort_request, self.request_ids()) if out is not None]
 
 
 def sampling_defaults_of(options: ModelOptions, source: ModelSource) -> SamplingDefaults:

@@ -15,7 +15,8 @@ import torch
 
 from server.cache_dir import writable_cache_dir
 from server.config import Convert, EngineConfig, ExecutionMode, SchedulerLimits
-from server.engine.errors import EngineFaultError, RequestError
+from server.engine.errors import RequestError
+from server.engine.failures import FailedSteps
 from server.engine.outputs import EngineStats, RequestMetrics
 from server.engine.pooling.outputs import PoolingRequestOutput
 from server.engine.pooling.params import PoolingModelInfo, PoolingParams, PoolingTask
@@ -34,9 +35,6 @@ from server.models.encoders.modernbert import ModernBertEncoder
 from server.models.loader import resolve_model_source
 
 logger = logging.getLogger(__name__)
-
-MAX_FAILED_STEPS = 3
-
 
 class _NoGrammar:
     """Pooling requests carry no grammar (the async engine asks every request)."""
@@ -120,7 +118,7 @@ class PoolingEngine:
             pairs_as_text=self.loaded.pairs_as_text,
             prompts=dict(st.prompts),
             id2label=_id2label(source.folder))
-        self._failed_steps = 0
+        self.failed_steps = FailedSteps("pooling")
         logger.info("Pooling model: %s pooling, %snormalized, max_model_len %d, %d buckets, "
                     "%s", self.runner.pooling, "" if self.loaded.normalize else "not ",
                     self.limits.max_model_len, len(buckets), mode)
@@ -247,7 +245,7 @@ class PoolingEngine:
                 [EncoderRow(r.token_ids, r.params.token_type_ids) for r in batch])
         except Exception as exc:  # noqa: BLE001 - retried one by one below
             return self._isolate_failure(batch, exc)
-        self._failed_steps = 0
+        self.failed_steps.reset()
         return [self._output(r, row, started) for r, row in zip(batch, rows)]
 
     def _output(self, request: PoolingRequest, row: torch.Tensor,
@@ -276,10 +274,7 @@ class PoolingEngine:
                 continue
             succeeded = True
             outputs.append(self._output(request, row, started))
-        self._failed_steps = 0 if succeeded else self._failed_steps + 1
-        if self._failed_steps >= MAX_FAILED_STEPS:
-            raise EngineFaultError(f"{self._failed_steps} pooling steps in a row failed for "
-                                   f"every request; last error: {exc!r}") from exc
+        self.failed_steps.observe(succeeded, exc)
         return outputs
 
     def request_ids(self) -> list[str]:
