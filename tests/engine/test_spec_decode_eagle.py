@@ -183,10 +183,15 @@ def test_sampled_distribution_is_the_targets(damped) -> None:
 
 
 @pytest.mark.slow
-def test_compile_mode_warms_the_head_and_serves_without_compiling(target, heads) -> None:
-    # a small plan (2 sequences, 64 positions): warmup compiles every bucket twice
+def test_compile_mode_warms_the_head_and_serves_without_compiling(target, heads,
+                                                                 tmp_path) -> None:
+    # a small plan (2 sequences, 64 positions, 10 buckets: the default one has 30, ~3 s of
+    # C++ each on a cold compile cache), which warmup compiles twice: target and head
+    buckets = tmp_path / "b.txt"
+    buckets.write_text("(1, [16, 32], [0, 2, 4])\n([2], 1, [4, 8])\n")
     engine = LLM(target, dtype="float32", block_size=16, max_num_seqs=2,
                  max_model_len=64, execution_mode="compile",
-                 speculative_config=spec("eagle3", heads["eagle3"]))
+                 speculative_config=spec("eagle3", heads["eagle3"]),
+                 environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
     draft_warmed_every_bucket(engine)
     serves_without_compiling(engine, [p[:30] for p in prompts(300)], 30, 15)
