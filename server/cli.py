@@ -10,6 +10,7 @@ import threading
 from server.bench.cli import add_bench_args
 from server.config import (
     BatchOptions,
+    BenchOptions,
     BucketFitOptions,
     BucketingConfig,
     CacheConfig,
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(batch, EngineConfig, ServerConfig, BatchOptions)
     sub.add_parser("platforms", help="list discovered platforms and the one selected")
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
-                           "synthetic streaming workload", formatter_class=HelpFormatter)
+                           "synthetic streaming workload", formatter_class=HelpFormatter,
+                           epilog=env_help(BenchOptions))
     add_bench_args(bench)
     return parser
 

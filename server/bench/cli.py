@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from server.bench.client import Endpoint
 from server.bench.report import format_summary
 from server.bench.runner import discover_model, run_workload
 from server.bench.workload import WorkloadSpec, synthetic_requests
+from server.cache_dir import writable_cache_dir
 from server.config import BenchOptions
 from server.config.fields import add_flags, build
 
@@ -22,17 +24,18 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, BenchOptions)
 
 
-def load_tokenizer(path: str | None):  # -> server.engine.tokenizer.Tokenizer
+def load_tokenizer(path: str | None, cache_dir: str | None = None):  # -> Tokenizer
     from server.engine.tokenizer import Tokenizer
     from server.models.loader import resolve_model_source
 
     source = resolve_model_source(path)
-    return Tokenizer.from_model_path(source.folder, source.gguf_file)
+    return Tokenizer.from_model_path(source.folder, source.gguf_file,
+                                     cache_dir=writable_cache_dir(cache_dir) / "tokenizers")
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    opts = build(BenchOptions, args, environ={})  # no environment variable applies
-    tokenizer = load_tokenizer(opts.tokenizer)
+    opts = build(BenchOptions, args, environ=os.environ)  # HPU_SERVE_CACHE_DIR only
+    tokenizer = load_tokenizer(opts.tokenizer, opts.cache_dir)
     spec = WorkloadSpec(opts.num_prompts, opts.input_len, opts.output_len, opts.range_ratio,
                         opts.seed, shared_prefix_len=opts.shared_prefix_len,
                         long_fraction=opts.long_prompt_fraction,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -87,3 +88,25 @@ def test_multi_turn_conversations_resend_their_history(tiny_model, bench_server,
     bad = subprocess.run([sys.executable, "-m", "server", "bench", "--base-url", url,
                           "--turns", "2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--turns needs --endpoint chat" in bad.stderr
+
+
+def test_a_gguf_tokenizer_goes_to_the_servers_cache(smollm2_gguf, bench_server,
+                                                   tmp_path) -> None:
+    """The bench sizes prompts with a GGUF's tokenizer kept in the server's cache
+    (HPU_SERVE_CACHE_DIR): converted once (~9 s for SmolLM2's vocabulary), then read back
+    by later runs and by a server of that GGUF (tests/engine/test_tokenizer.py)."""
+    folder, name = smollm2_gguf
+    cache = tmp_path / "cache"
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", "bench", "--base-url", bench_server.base_url,
+         "--tokenizer", f"{folder}/{name}", "--num-prompts", "2", "--input-len", "8",
+         "--output-len", "2", "--warmup-requests", "0", "--api-key", "k3y", "--no-progress",
+         "--result-file", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "HPU_SERVE_CACHE_DIR": str(cache)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["completed"] == 2
+    (entry,) = (cache / "tokenizers").iterdir()
+    assert entry.name.startswith(name.removesuffix(".gguf"))
+    assert (entry / "tokenizer_config.json").exists()
