@@ -117,7 +117,9 @@ def classify(name: str, shapes: list[list[int]], projections: dict[tuple[int, in
 def run_steps(llm: LLM, bs: int, ctx: int, steps: int, timer: PhaseTimer,
               sampling: dict[str, Any]) -> tuple[float, Any]:
     engine = llm.engine
-    params = SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True, seed=0, **sampling)
+    # long enough that no request ends before the profiled steps do: a request that starts
+    # decoding during the others' prefill chunks is that many tokens ahead
+    params = SamplingParams(max_tokens=3 * steps + 120, ignore_eos=True, seed=0, **sampling)
     for i in range(bs):
         engine.add_request(f"p{i}", [7 + i] * ctx, params)
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -140,6 +142,7 @@ def run_steps(llm: LLM, bs: int, ctx: int, steps: int, timer: PhaseTimer,
             engine.step()
             times.append(time.perf_counter() - start)
     timer.on = False
+    assert engine.scheduler.num_running == bs, "a request ended before the measured steps did"
     print(f"median step {statistics.median(plain) * 1e3:.1f} ms unprofiled "
           f"({'thread CPU' if clock is time.thread_time else 'wall'} time), "
           f"{statistics.median(times) * 1e3:.1f} ms profiled (wall)")
