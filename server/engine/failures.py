@@ -55,6 +55,10 @@ class RequestIsolation:
         self.stats = stats
         self.failed_steps = FailedSteps("engine")
 
+    def step_ran(self) -> None:
+        """A batch ran as a whole: the count of failed steps starts again."""
+        self.failed_steps.reset()
+
     def isolate(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         """A step raised: run each request of the batch on its own, so that a fault tied to
         one request ends that request only. Re-running is safe: nothing was committed (the

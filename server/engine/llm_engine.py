@@ -283,7 +283,7 @@ class LLMEngine:
             sampled, result = self._execute(batch)
         except Exception as exc:
             return self.failures.isolate(batch, exc)
-        self.failures.failed_steps.reset()
+        self.failures.step_ran()
         return self._retire(self.output_processor.process(sampled, result), batch)
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
