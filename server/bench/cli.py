@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ def load_tokenizer(path: str | None, cache_dir: str | None = None):  # -> Tokeni
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    opts = build(BenchOptions, args, environ=os.environ)  # HPU_SERVE_CACHE_DIR only
+    opts = build(BenchOptions, args)  # the one knob: HPU_SERVE_CACHE_DIR
     tokenizer = load_tokenizer(opts.tokenizer, opts.cache_dir)
     spec = WorkloadSpec(opts.num_prompts, opts.input_len, opts.output_len, opts.range_ratio,
                         opts.seed, shared_prefix_len=opts.shared_prefix_len,
