@@ -186,11 +186,16 @@ def test_sampled_distribution_is_the_targets(pair) -> None:
 
 
 @pytest.mark.slow
-def test_compile_mode_warms_the_draft_and_serves_without_compiling(pair) -> None:
+def test_compile_mode_warms_the_draft_and_serves_without_compiling(pair, tmp_path) -> None:
     target, draft = pair
+    # a coarse plan of 10 buckets (the default one has 56, ~3 s of C++ each on a cold
+    # compile cache), which warmup compiles twice: the target's graphs and the draft's
+    buckets = tmp_path / "b.txt"
+    buckets.write_text("(1, [32, 64], [0, 4, 8])\n([4], 1, [8, 16])\n")
     engine = LLM(target, dtype="float32", block_size=16, max_num_seqs=4,
                  max_model_len=128, execution_mode="compile",
-                 speculative_config=spec(draft))
+                 speculative_config=spec(draft),
+                 environ={"VLLM_BUCKETING_FROM_FILE": str(buckets)})
     # every planned bucket was compiled on the draft's own graphs before serving
     draft_warmed_every_bucket(engine)
     serves_without_compiling(engine, [p[:60] for p in prompts(300)], 40, 20)
