@@ -18,6 +18,9 @@ PAGES = {"README.md": {"curl": 1, "sdk": 2, "anthropic": 1},
          "docs/serving.md": {"curl": 4, "sdk": 2, "anthropic": 1}}
 EXAMPLE_URL = "http://localhost:8000"
 
+# the pages' examples through a live server: CI's check, not the edit loop's
+pytestmark = pytest.mark.slow
+
 
 def blocks(page: str, lang: str, marker: str) -> list[str]:
     found = re.findall(rf"```{lang}\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
