@@ -16,7 +16,7 @@ test: setup
 
 # the edit loop: everything but the tests marked slow (under 4 minutes on 2 cores)
 test-fast: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py $(ARGS)
