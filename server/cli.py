@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import sys
 import threading
@@ -256,9 +255,6 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("serving %s on %s://%s:%d", engine.model_name,
                 "https" if server_cfg.tls else "http", server_cfg.host, server_cfg.port)
     http.run()
-    # The interpreter's last collections walk every object the process made (torch,
-    # transformers, the model): ~1 s of each stop, for garbage the OS frees at exit anyway.
-    gc.freeze()
     return 1 if engine.dead_reason is not None else 0
 
 
