@@ -42,7 +42,7 @@ from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE
 from server.hpu.platform import Platform, detect_platform
 from server.models.generation_config import generation_defaults
-from server.models.gguf import open_gguf
+from server.models.gguf import open_gguf, release_gguf_parses
 from server.models.hub import with_local_model
 from server.models.loader import (
     ModelSource,
@@ -80,6 +80,8 @@ class LLMEngine:
             if self.executor is not None:  # workers may sit in a collective: no orders
                 self.executor.kill()
             raise
+        finally:
+            release_gguf_parses()  # the defaults, config, weights and codes share one parse
 
     def _build(self, config: EngineConfig, platform: Platform) -> None:
         parallel = self.executor.parallel if self.executor is not None else SINGLE

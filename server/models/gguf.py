@@ -44,6 +44,14 @@ def open_gguf(path: str) -> object:
     return _open(path, stat.st_size, stat.st_mtime_ns)
 
 
+def release_gguf_parses() -> None:
+    """Drops the parses ``open_gguf`` holds. Called once a model is built: nothing reads the
+    header after that, and a parse is large. SmolLM2's is ~500,000 Python objects (every
+    vocabulary entry is a numpy view) and ~140 MB. A serving process would otherwise carry
+    it to its exit, and every full garbage collection would walk it (0.18 s -> 0.06 s)."""
+    _open.cache_clear()
+
+
 @functools.lru_cache(maxsize=2)
 def _open(path: str, size: int, mtime_ns: int) -> object:
     """Reading the metadata (a 49k-entry vocabulary for SmolLM2) takes seconds, and the

@@ -55,6 +55,7 @@ from server.hpu.distributed import ParallelContext, close_parallel, free_port, t
 from server.hpu.graph_runner import ForwardInputs, ShapeRunner
 from server.hpu.platform import Platform, detect_platform
 from server.hpu.types import Bucket, Phase, SyncPoint
+from server.models.gguf import release_gguf_parses
 from server.models.loader import load_model, resolve_model_source
 from server.models.lora import LoRAAdapter, LoRASlots, SlotWriter
 
@@ -332,8 +333,11 @@ def build_worker_runner(config: EngineConfig, platform: Platform,
     """A worker rank's model runner: its slices, built as rank 0 builds its own (the same
     limits, KV cache geometry and graph runner; no tokenizer, no sampling)."""
     source = resolve_model_source(config.model.model)
-    loaded = load_model(source, config.model.dtype, platform.device, parallel)
-    return build_model_runner(config, platform, source, loaded, parallel)
+    try:
+        loaded = load_model(source, config.model.dtype, platform.device, parallel)
+        return build_model_runner(config, platform, source, loaded, parallel)
+    finally:
+        release_gguf_parses()
 
 
 def serve_rank(config: EngineConfig, rank: int, host: str, port: int, local_rank: int) -> None:
