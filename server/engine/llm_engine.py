@@ -42,10 +42,11 @@ from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE
 from server.hpu.platform import Platform, detect_platform
 from server.models.generation_config import generation_defaults
-from server.models.gguf import open_gguf, release_gguf_parses
+from server.models.gguf import open_gguf
 from server.models.hub import with_local_model
 from server.models.loader import (
     ModelSource,
+    held_gguf_parse,
     load_model,
     load_model_config,
     resolve_model_source,
@@ -80,12 +81,11 @@ class LLMEngine:
             if self.executor is not None:  # workers may sit in a collective: no orders
                 self.executor.kill()
             raise
-        finally:
-            release_gguf_parses()  # the defaults, config, weights and codes share one parse
 
     def _build(self, config: EngineConfig, platform: Platform) -> None:
         parallel = self.executor.parallel if self.executor is not None else SINGLE
         source = resolve_model_source(config.model.model)
+        _parse = held_gguf_parse(source)  # for the reads below; freed when the build returns
         quantization = config.model.quantization
         if quantization == "gguf" and not source.is_gguf:
             raise ValueError("--quantization gguf needs a .gguf model file")

@@ -10,10 +10,10 @@ partial rotary included), "gemma2", "gemma3" (text), "llama4" (text); "deepseek2
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import struct
+import weakref
 from typing import Any
 
 import numpy as np
@@ -37,28 +37,31 @@ from server.models.gguf_quants import (  # noqa: F401  (re-exported: the loader'
 from server.models.gguf_tensors import ROPE_FREQ_FACTORS, dequantized_tensors  # noqa: F401
 from server.models.registry import Architecture, gguf_architecture
 
+# Live parses by (path, size, mtime): a rewritten file is parsed again.
+_parses: weakref.WeakValueDictionary[tuple[str, int, int], Any] = weakref.WeakValueDictionary()
 
-def open_gguf(path: str) -> object:
-    """The file's ``gguf.GGUFReader``, parsed once per process (see ``_open``)."""
+
+def open_gguf(path: str) -> Any:
+    """The file's ``gguf.GGUFReader``: the one parse someone still holds, or a new one.
+
+    Parsing takes seconds (SmolLM2's 49k-entry vocabulary), and a load reads one file
+    several times (config, sampling defaults, weights, 4-bit codes): the load holds the
+    parse from its first read to its last (``loader.held_gguf_parse``). Nothing keeps it
+    after: a parse is ~500,000 Python objects (a numpy view per vocabulary entry) and
+    ~140 MB, which a serving process would carry to its exit and walk in every full
+    garbage collection."""
     stat = os.stat(path)
-    return _open(path, stat.st_size, stat.st_mtime_ns)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    reader = _parses.get(key)
+    if reader is None:
+        reader = _parse(path)
+        _parses[key] = reader
+    return reader
 
 
-def release_gguf_parses() -> None:
-    """Drops the parses ``open_gguf`` holds. Called once a model is built: nothing reads the
-    header after that, and a parse is large. SmolLM2's is ~500,000 Python objects (every
-    vocabulary entry is a numpy view) and ~140 MB. A serving process would otherwise carry
-    it to its exit, and every full garbage collection would walk it (0.18 s -> 0.06 s)."""
-    _open.cache_clear()
-
-
-@functools.lru_cache(maxsize=2)
-def _open(path: str, size: int, mtime_ns: int) -> object:
-    """Reading the metadata (a 49k-entry vocabulary for SmolLM2) takes seconds, and the
-    config, the weights and the 4-bit codes all read the same file (size and mtime in the
-    key: a rewritten file is parsed again). The layout is checked against the file's size
-    first (gguf_check.py): the reader takes a cut file for a shorter one."""
-    del size, mtime_ns
+def _parse(path: str) -> Any:
+    """The layout is checked against the file's size first (gguf_check.py): the reader
+    takes a cut file for a shorter one."""
     import gguf
 
     check_gguf(path)

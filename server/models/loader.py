@@ -167,6 +167,12 @@ def _gguf_reader(source: ModelSource) -> object:
     return open_gguf(os.path.join(source.folder, source.gguf_file))
 
 
+def held_gguf_parse(source: ModelSource) -> object | None:
+    """What a load keeps in hand while it reads a GGUF checkpoint, so that its reads share
+    one parse (see ``open_gguf``); None for other checkpoints."""
+    return _gguf_reader(source) if source.is_gguf else None
+
+
 def resolve_dtype(requested: str, cfg: ModelConfig, source: ModelSource, device: str) -> torch.dtype:
     """``auto`` keeps the checkpoint dtype, except that half precision becomes bfloat16 on
     CPU (fp16 matmuls are slow there) and dequantized GGUF weights default to bfloat16."""

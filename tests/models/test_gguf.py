@@ -125,24 +125,33 @@ def test_granite_gguf_matches_transformers(tiny_model_factory, tmp_path: Path) -
     assert_last_logits_match(loaded, hf_model, length=40)
 
 
-def test_a_built_engine_holds_no_gguf_parse(tiny_model_factory, tmp_path: Path) -> None:
-    """The engine's load shares one parse of the file (config, weights, sampling defaults)
-    and drops it once built: a parse holds a numpy view per vocabulary entry, which a
-    serving process would carry to its exit and walk in every full garbage collection."""
+def test_a_load_parses_its_gguf_once_and_keeps_no_parse(tiny_model_factory, tmp_path: Path,
+                                                         monkeypatch) -> None:
+    """The engine's build reads a GGUF file's header for its sampling defaults, config,
+    weights and codes from one parse, and drops it once built: a parse holds a numpy view
+    per vocabulary entry, which a serving process would carry to its exit and walk in every
+    full garbage collection."""
     import gc
-
-    import gguf
+    import weakref
 
     from server import LLM, SamplingParams
-    from server.models.gguf import open_gguf
+    from server.models import gguf as gguf_module
 
     _, hf_model, tokenizer = tiny_model_factory(tie=False)
     path = tmp_path / "tiny-llama.gguf"
     write_gguf(path, hf_model, tokenizer=tokenizer)
-    assert open_gguf(str(path)) is open_gguf(str(path))  # one parse for the load's readers
+    parses: list[weakref.ref] = []
+    parse = gguf_module._parse
 
+    def counted(file: str):  # noqa: ANN202
+        reader = parse(file)
+        parses.append(weakref.ref(reader))
+        return reader
+
+    monkeypatch.setattr(gguf_module, "_parse", counted)
     llm = LLM(str(path), dtype="float32", max_num_seqs=2, max_model_len=64)
+    assert len(parses) == 1
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, gguf.GGUFReader)]
+    assert parses[0]() is None
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

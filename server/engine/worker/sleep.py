@@ -30,10 +30,10 @@ from server.config import EngineConfig, ExecutionMode
 from server.hpu.kv_cache import KVCache
 from server.hpu.platform import Platform
 from server.models.config import ModelConfig
-from server.models.gguf import release_gguf_parses
 from server.models.loader import (
     LoadedModel,
     ModelSource,
+    held_gguf_parse,
     load_int4_weights,
     load_model,
     load_model_config,
@@ -288,15 +288,14 @@ class WeightLoader:
 
     def load(self, path: str | None) -> LoadedModel:
         """A fresh model with the weights at ``path``, prepared for this platform."""
-        try:
-            source = self.check(path)
-            loaded = load_model(source, str(self.dtype).replace("torch.", ""),
-                                self.platform.device)
-            int4 = (functools.partial(load_int4_weights, source, loaded.config)
-                    if source.is_gguf and self.config.model.quantization != "none" else None)
-            self.platform.prepare_model(loaded.model, self.mode, self.config.device, int4,
-                                        self.cache_dir)
-        finally:
-            release_gguf_parses()
+        # the check, the weights and the 4-bit codes read one parse of a GGUF file
+        _parse = held_gguf_parse(resolve_model_source(path))
+        source = self.check(path)
+        loaded = load_model(source, str(self.dtype).replace("torch.", ""),
+                            self.platform.device)
+        int4 = (functools.partial(load_int4_weights, source, loaded.config)
+                if source.is_gguf and self.config.model.quantization != "none" else None)
+        self.platform.prepare_model(loaded.model, self.mode, self.config.device, int4,
+                                    self.cache_dir)
         loaded.model.serve_context(self.max_model_len)
         return loaded
