@@ -1,4 +1,7 @@
-"""A real `python -m server serve` process on a free loopback port, shared per module."""
+"""A real `python -m server serve` process on a free loopback port, shared by every test file
+of the session that takes `server` (the tiny model, TINY_FLAGS): a server start is ~4 s of the
+edit loop. A test that changes what later files would see (stops the server, puts it to
+sleep, needs other flags or a fresh prefix cache or fresh counters) starts its own."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import pytest
 from server_process import MODEL_NAME, TINY_FLAGS, start_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_model):
     srv = start_server(tiny_model[0], *TINY_FLAGS)
     yield srv

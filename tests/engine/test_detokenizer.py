@@ -64,12 +64,12 @@ def byte_level_tokenizer() -> Tokenizer:
 
 
 @pytest.fixture(scope="module", params=["byte-level", "sentencepiece", "smollm2"])
-def tokenizer(request, smollm2_gguf) -> Tokenizer:
+def tokenizer(request) -> Tokenizer:
     if request.param == "byte-level":
         return byte_level_tokenizer()
     if request.param == "sentencepiece":
         return metaspace_tokenizer()
-    return Tokenizer.from_model_path(smollm2_gguf[0], gguf_file=smollm2_gguf[1])
+    return request.getfixturevalue("smollm2_tokenizer")
 
 
 def stream(tok: Tokenizer, prompt: list[int], ids: list[int], chunk: int = 1,

@@ -30,12 +30,12 @@ TEXT = st.one_of(
 
 
 @pytest.fixture(scope="module", params=["tiny-byte-level", "byte-fallback", "smollm2"])
-def tokenizer(request, smollm2_gguf, tiny_model) -> Tokenizer:
+def tokenizer(request, tiny_model) -> Tokenizer:
     if request.param == "tiny-byte-level":  # tests/conftest.py's, as the tiny models use
         return Tokenizer.from_hf(tiny_model[2])
     if request.param == "byte-fallback":
         return metaspace_tokenizer()
-    return Tokenizer.from_model_path(smollm2_gguf[0], gguf_file=smollm2_gguf[1])
+    return request.getfixturevalue("smollm2_tokenizer")
 
 
 def run(tok: Tokenizer, prompt: list[int], ids: list[int], chunks: list[int],

@@ -13,8 +13,8 @@ from server.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf) -> Tokenizer:
-    return Tokenizer.from_model_path(smollm2_gguf[0], gguf_file=smollm2_gguf[1])
+def smol(smollm2_tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 def test_gguf_tokenizer_and_chat_template(smol: Tokenizer) -> None:
