@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from server.models.gguf_check import metadata_digest
+
 logger = logging.getLogger(__name__)
 
 # File suffixes that mark a --chat-template value as a path rather than Jinja text.
@@ -303,11 +305,11 @@ def _gguf_tokenizer(folder: str, gguf_file: str, cache_dir: str | Path | None) -
 
     if cache_dir is None:
         return _from_gguf(folder, gguf_file)
-    source = Path(folder, gguf_file).resolve()
-    stat = source.stat()
-    key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}|"
-                         f"{transformers.__version__}".encode()).hexdigest()[:16]
-    cached = Path(cache_dir) / f"{source.stem}-{key}"
+    # keyed by what the conversion reads, the file's metadata: a copy or a move of the file
+    # finds its entry, a file rewritten with another vocabulary does not
+    metadata = metadata_digest(str(Path(folder, gguf_file)))
+    key = hashlib.sha256(f"{metadata}|{transformers.__version__}".encode()).hexdigest()[:16]
+    cached = Path(cache_dir) / f"gguf-{key}"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(cached, local_files_only=True)
     hf = _from_gguf(folder, gguf_file)

@@ -13,11 +13,13 @@ the data section, which starts at the end of the infos rounded up to ``general.a
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,14 +133,41 @@ class _Cursor:
 def check_gguf(path: str) -> list[TensorInfo]:
     """Every tensor's place in the file, once the whole layout fits the file's size;
     raises ``ModelFileError`` (file, tensor, bytes expected vs found) otherwise."""
+    with _mapped(path) as (buf, size):
+        return _walk(path, buf, size)
+
+
+def metadata_digest(path: str) -> str:
+    """sha256 of the file's header and metadata entries (vocabulary, chat template,
+    architecture keys), not of its tensors: copies of one file digest alike, and so do
+    files that differ in their weights alone. Raises ``ModelFileError`` as the check does."""
+    with _mapped(path) as (buf, size):
+        cur = _metadata_walk(path, buf, size)[0]
+        return hashlib.sha256(buf[:cur.pos]).hexdigest()
+
+
+@contextlib.contextmanager
+def _mapped(path: str) -> Iterator[tuple[mmap.mmap, int]]:
+    """The file mapped read-only, with its size (one that cannot hold a magic fails)."""
     size = os.path.getsize(path)
     if size < len(_MAGIC):
         raise model_file_error(path, f"truncated: {size} bytes, not even a GGUF header")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _walk(path, buf, size)
+        yield buf, size
 
 
 def _walk(path: str, buf: mmap.mmap, size: int) -> list[TensorInfo]:
+    cur, n_tensors, alignment, fail = _metadata_walk(path, buf, size)
+    infos = _tensor_infos(cur, n_tensors, fail)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise fail(f"corrupt: general.alignment {alignment} is not a power of two")
+    data_start = -(-cur.pos // alignment) * alignment
+    return _placed(infos, data_start, alignment, size, fail)
+
+
+def _metadata_walk(path: str, buf: mmap.mmap, size: int) -> tuple[_Cursor, int, int, Fail]:
+    """The header and metadata entries walked: (the cursor past them, the tensor count,
+    the alignment, the failure maker)."""
     def fail(what: str) -> ModelFileError:
         return model_file_error(path, what)
 
@@ -156,12 +185,7 @@ def _walk(path: str, buf: mmap.mmap, size: int) -> list[TensorInfo]:
     cur = _Cursor(buf, size, order)
     cur.pos = 8
     n_tensors, n_entries = cur.unpack("Q"), cur.unpack("Q")
-    alignment = _metadata(cur, n_entries, fail)
-    infos = _tensor_infos(cur, n_tensors, fail)
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise fail(f"corrupt: general.alignment {alignment} is not a power of two")
-    data_start = -(-cur.pos // alignment) * alignment
-    return _placed(infos, data_start, alignment, size, fail)
+    return cur, n_tensors, _metadata(cur, n_entries, fail), fail
 
 
 def _short(cut: _Cut, size: int) -> str:

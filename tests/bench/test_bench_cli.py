@@ -108,5 +108,4 @@ def test_a_gguf_tokenizer_goes_to_the_servers_cache(smollm2_gguf, bench_server,
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(out.read_text())["completed"] == 2
     (entry,) = (cache / "tokenizers").iterdir()
-    assert entry.name.startswith(name.removesuffix(".gguf"))
     assert (entry / "tokenizer_config.json").exists()

@@ -110,12 +110,20 @@ def test_gguf_tokenizer_conversion_is_cached(smollm2_gguf, smol: Tokenizer, tmp_
         assert tok.encode_chat(chat) == smol.encode_chat(chat)
         assert (tok.eos_token_ids, tok.bos_token_id, tok.vocab_size) == (
             smol.eos_token_ids, smol.bos_token_id, smol.vocab_size)
-    # a changed file is a different key: converted again next to the old entry
+    # the key is the file's metadata: a copy elsewhere finds the entry; a file with another
+    # vocabulary (one special token respelled) is converted again, next to it
     copy_dir = tmp_path / "copy"
     copy_dir.mkdir()
-    shutil.copy(Path(folder) / gguf_file, copy_dir / gguf_file)
-    Tokenizer.from_model_path(str(copy_dir), gguf_file=gguf_file, cache_dir=tmp_path)
+    shutil.copy(Path(folder) / gguf_file, copy_dir / "renamed.gguf")
+    Tokenizer.from_model_path(str(copy_dir), gguf_file="renamed.gguf", cache_dir=tmp_path)
+    assert [p for p in tmp_path.iterdir() if p.name != "copy"] == entries
+    data = (Path(folder) / gguf_file).read_bytes()
+    assert data.count(b"<repo_name>") == 1
+    (copy_dir / "edited.gguf").write_bytes(data.replace(b"<repo_name>", b"<repo_nbme>"))
+    edited = Tokenizer.from_model_path(str(copy_dir), gguf_file="edited.gguf", cache_dir=tmp_path)
     assert len([p for p in tmp_path.iterdir() if p.name != "copy"]) == 2
+    assert edited.encode("<repo_nbme>", add_special_tokens=False) == smol.encode(
+        "<repo_name>", add_special_tokens=False)
 
 
 def test_documents_and_continue_final_message_reach_the_template(tiny_model, tmp_path) -> None:
