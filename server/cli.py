@@ -8,7 +8,6 @@ import logging
 import sys
 import threading
 
-from server.bench.cli import add_bench_args
 from server.config import (
     BatchOptions,
     BenchOptions,
@@ -74,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible server with a "
                            "synthetic streaming workload", formatter_class=HelpFormatter,
                            epilog=env_help(BenchOptions))
-    add_bench_args(bench)
+    add_flags(bench, BenchOptions)  # its client (httpx, rich) is imported when it runs
     return parser
 
 

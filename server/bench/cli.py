@@ -15,12 +15,7 @@ from server.bench.runner import discover_model, run_workload
 from server.bench.workload import WorkloadSpec, synthetic_requests
 from server.cache_dir import writable_cache_dir
 from server.config import BenchOptions
-from server.config.fields import add_flags, build
-
-
-def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``BenchOptions``."""
-    add_flags(parser, BenchOptions)
+from server.config.fields import build
 
 
 def load_tokenizer(path: str | None, cache_dir: str | None = None):  # -> Tokenizer
