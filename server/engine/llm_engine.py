@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -42,11 +41,10 @@ from server.hpu.counters import DeviceCounters
 from server.hpu.distributed import SINGLE
 from server.hpu.platform import Platform, detect_platform
 from server.models.generation_config import generation_defaults
-from server.models.gguf import open_gguf
 from server.models.hub import with_local_model
 from server.models.loader import (
     ModelSource,
-    held_gguf_parse,
+    gguf_parse,
     load_model,
     load_model_config,
     resolve_model_source,
@@ -85,7 +83,7 @@ class LLMEngine:
     def _build(self, config: EngineConfig, platform: Platform) -> None:
         parallel = self.executor.parallel if self.executor is not None else SINGLE
         source = resolve_model_source(config.model.model)
-        _parse = held_gguf_parse(source)  # for the reads below; freed when the build returns
+        _parse = gguf_parse(source)  # for the reads below; freed when the build returns
         quantization = config.model.quantization
         if quantization == "gguf" and not source.is_gguf:
             raise ValueError("--quantization gguf needs a .gguf model file")
@@ -411,10 +409,8 @@ class LLMEngine:
 
 def sampling_defaults_of(options: ModelOptions, source: ModelSource) -> SamplingDefaults:
     """The request defaults ``--generation-config`` gives, logged once as vLLM logs them."""
-    reader = (open_gguf(os.path.join(source.folder, source.gguf_file))
-              if source.gguf_file is not None else None)
-    found, where = generation_defaults(options.generation_config, source.folder, reader,
-                                       options.generation_overrides)
+    found, where = generation_defaults(options.generation_config, source.folder,
+                                       gguf_parse(source), options.generation_overrides)
     defaults = SamplingDefaults.from_fields(found, where)
     if defaults.as_dict():
         logger.warning("Default sampling parameters have been overridden by the model's "

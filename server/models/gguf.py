@@ -46,7 +46,7 @@ def open_gguf(path: str) -> Any:
 
     Parsing takes seconds (SmolLM2's 49k-entry vocabulary), and a load reads one file
     several times (config, sampling defaults, weights, 4-bit codes): the load holds the
-    parse from its first read to its last (``loader.held_gguf_parse``). Nothing keeps it
+    parse from its first read to its last (``loader.gguf_parse``). Nothing keeps it
     after: a parse is ~500,000 Python objects (a numpy view per vocabulary entry) and
     ~140 MB, which a serving process would carry to its exit and walk in every full
     garbage collection."""

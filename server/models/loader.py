@@ -167,9 +167,9 @@ def _gguf_reader(source: ModelSource) -> object:
     return open_gguf(os.path.join(source.folder, source.gguf_file))
 
 
-def held_gguf_parse(source: ModelSource) -> object | None:
-    """What a load keeps in hand while it reads a GGUF checkpoint, so that its reads share
-    one parse (see ``open_gguf``); None for other checkpoints."""
+def gguf_parse(source: ModelSource) -> object | None:
+    """A GGUF checkpoint's parse (None for other checkpoints). A load keeps it in hand while
+    it reads, so that its reads share it (see ``open_gguf``)."""
     return _gguf_reader(source) if source.is_gguf else None
 
 

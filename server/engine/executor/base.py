@@ -55,7 +55,7 @@ from server.hpu.distributed import ParallelContext, close_parallel, free_port, t
 from server.hpu.graph_runner import ForwardInputs, ShapeRunner
 from server.hpu.platform import Platform, detect_platform
 from server.hpu.types import Bucket, Phase, SyncPoint
-from server.models.loader import held_gguf_parse, load_model, resolve_model_source
+from server.models.loader import gguf_parse, load_model, resolve_model_source
 from server.models.lora import LoRAAdapter, LoRASlots, SlotWriter
 
 logger = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def build_worker_runner(config: EngineConfig, platform: Platform,
     """A worker rank's model runner: its slices, built as rank 0 builds its own (the same
     limits, KV cache geometry and graph runner; no tokenizer, no sampling)."""
     source = resolve_model_source(config.model.model)
-    _parse = held_gguf_parse(source)  # the weights and 4-bit codes share one parse
+    _parse = gguf_parse(source)  # the weights and 4-bit codes share one parse
     loaded = load_model(source, config.model.dtype, platform.device, parallel)
     return build_model_runner(config, platform, source, loaded, parallel)
 

@@ -33,7 +33,7 @@ from server.models.config import ModelConfig
 from server.models.loader import (
     LoadedModel,
     ModelSource,
-    held_gguf_parse,
+    gguf_parse,
     load_int4_weights,
     load_model,
     load_model_config,
@@ -289,7 +289,7 @@ class WeightLoader:
     def load(self, path: str | None) -> LoadedModel:
         """A fresh model with the weights at ``path``, prepared for this platform."""
         # the check, the weights and the 4-bit codes read one parse of a GGUF file
-        _parse = held_gguf_parse(resolve_model_source(path))
+        _parse = gguf_parse(resolve_model_source(path))
         source = self.check(path)
         loaded = load_model(source, str(self.dtype).replace("torch.", ""),
                             self.platform.device)
