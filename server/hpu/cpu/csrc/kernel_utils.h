@@ -141,6 +141,15 @@ inline f32x16 load16(const Float8_e4m3fn* p) {
   return v;
 }
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+// 16 values, each rounded as float_to_bf16_bits rounds it.
+inline void store16(BFloat16* p, f32x16 v) {
+  u32x16 u;
+  std::memcpy(&u, &v, sizeof(u));
+  const u32x16 nearest_even = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const u32x16 nan = reinterpret_cast<u32x16>((u & 0x7FFFFFFFu) > 0x7F800000u);
+  const u16x16 bits = __builtin_convertvector((nan & 0x7FC0u) | (~nan & nearest_even), u16x16);
+  std::memcpy(p, &bits, sizeof(bits));
+}
 
 // 32 bf16 lanes as 16 dwords: lane pair (2j, 2j + 1) is column j's value at inputs k, k + 1.
 typedef uint16_t u16x32 __attribute__((vector_size(64)));
