@@ -55,11 +55,10 @@ def prepare_model(model: torch.nn.Module, *, use_kernels: bool,
     if not (kernels and q8_kernel_available()):  # Q8_0 codes: our kernel or none
         codes = {name: w for name, w in codes.items() if not is_q8(w)}
     small_rows = bf16_max_rows(decode_query) if kernels and bf16_kernel_available() else 0
-    pack_linear_layers(model, small_rows, skip_small=codes.keys(),
-                       head_rows=bf16_max_rows(decode_query, head=True))
+    pack_linear_layers(model, small_rows, head_rows=bf16_max_rows(decode_query, head=True))
     if codes:
-        attach_int4_weights(model, codes, int4_max_rows(decode_query, ours), dtype, ours,
-                            q8_max_rows(decode_query))
+        attach_int4_weights(model, codes, int4_max_rows(decode_query, ours, small_rows > 0),
+                            dtype, ours, q8_max_rows(decode_query))
     if dtype not in FusedCpuLayerOps.dtypes:
         logger.info("Fused CPU kernels serve float32 / bfloat16 only: %s runs PyTorch ops",
                     str(dtype).replace("torch.", ""))

@@ -4,9 +4,9 @@ The kernel (csrc/decode_stack.cpp) makes the calls the model's layer loop makes 
 :class:`~server.hpu.cpu.layer_ops.FusedCpuLayerOps`, in the same order, so the step's
 results are the same bits; it saves the Python between the kernels, ~2.5 ms a step for
 SmolLM2's 30 layers (its batch-1 step: 8.2 -> 6.0 ms). Each projection runs what its module
-would: int4 codes (:class:`SmallBatchInt4Linear`, up to its ``max_rows``) or the bf16 copy
-(:class:`PackedLinear`, up to its ``small_rows``), oneDNN's packed weight past them. Prefill
-and speculative verify steps (several tokens a sequence) take the model's loop.
+would: int4 codes (:class:`SmallBatchInt4Linear`, up to its ``max_rows``), then the bf16
+copy (:class:`PackedLinear`, up to its ``small_rows``), oneDNN's packed weight past them.
+Prefill and speculative verify steps (several tokens a sequence) take the model's loop.
 """
 
 from __future__ import annotations
@@ -24,16 +24,24 @@ from server.hpu.layer_stack import LayerStackSpec
 
 @dataclass(frozen=True, slots=True)
 class Projection:
-    """One projection as the kernel takes it: its small-batch weight (int4 blocks or a bf16
-    copy, with that path's bias), up to ``small_rows`` rows, and its oneDNN module."""
+    """One projection as the kernel takes it: its int4 blocks (with the bias added after
+    them) up to ``int4_rows`` rows, then its bf16 copy (with its fp32 bias inside) up to
+    ``bf16_rows``, then its oneDNN module."""
 
     int4: torch.Tensor | None
+    int4_bias: torch.Tensor | None
+    int4_rows: int
     bf16: torch.Tensor | None
-    small_bias: torch.Tensor | None
+    bf16_bias: torch.Tensor | None
+    bf16_rows: int
     out_features: int
     group_size: int
-    small_rows: int
     dense: PackedLinear
+
+    @property
+    def small_rows(self) -> int:
+        """Up to this many rows the projection does not need its oneDNN weight."""
+        return max(self.int4_rows, self.bf16_rows)
 
     @classmethod
     def of(cls, linear: nn.Module) -> Projection | None:
@@ -41,21 +49,21 @@ class Projection:
         unpacked or activated linear, hooks such as a rank's all-reduce)."""
         if linear._forward_hooks or linear._forward_pre_hooks:
             return None
+        int4, int4_bias, int4_rows, group_size = None, None, 0, 0
         if isinstance(linear, SmallBatchInt4Linear):
-            dense = linear.dense
-            if linear.packed is None or not cls._plain(dense):
+            if linear.packed is None:
                 return None
-            packed = linear.packed
-            return cls(packed.weight, None, linear.bias, packed.out_features,
-                       packed.group_size, linear.max_rows, dense)
+            int4, int4_bias, int4_rows = linear.packed.weight, linear.bias, linear.max_rows
+            group_size = linear.packed.group_size
+            linear = linear.dense
         if not cls._plain(linear):
             return None
         assert isinstance(linear, PackedLinear)
         small = linear.small
-        if small is None:
-            return cls(None, None, None, linear.out_features, 0, 0, linear)
-        return cls(None, small.weight, small.bias, small.out_features, 0, linear.small_rows,
-                   linear)
+        return cls(int4, int4_bias, int4_rows, None if small is None else small.weight,
+                   None if small is None else small.bias,
+                   0 if small is None else linear.small_rows, linear.out_features,
+                   group_size, linear)
 
     @staticmethod
     def _plain(linear: nn.Module) -> bool:
@@ -83,10 +91,11 @@ class FusedDecodeStack:
         self.layer_params = [n for layer in spec.layers
                              for n in (layer.window or 0, int(layer.local_rope))]
         self.int4 = [p.int4 for p in projections]
+        self.int4_biases = [p.int4_bias for p in projections]
         self.bf16 = [p.bf16 for p in projections]
-        self.small_biases = [p.small_bias for p in projections]
+        self.bf16_biases = [p.bf16_bias for p in projections]
         self.params = [n for p in projections
-                       for n in (p.out_features, p.group_size, p.small_rows)]
+                       for n in (p.out_features, p.group_size, p.int4_rows, p.bf16_rows)]
         self.dense = [p.dense for p in projections]
         # up to this many rows no projection needs its oneDNN weight
         self.small_rows = min(p.small_rows for p in projections)
@@ -132,7 +141,7 @@ class FusedDecodeStack:
             x, residual, [cos.view(rows, -1), sin.view(rows, -1), local_cos.view(rows, -1),
                           local_sin.view(rows, -1)],
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
-            meta.block_tables, meta.seq_lens, self.norms, self.int4, self.bf16,
-            self.small_biases, dense, dense_biases, self.params, self.layer_params,
+            meta.block_tables, meta.seq_lens, self.norms, self.int4, self.int4_biases,
+            self.bf16, self.bf16_biases, dense, dense_biases, self.params, self.layer_params,
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale,
             self.softcap, self.gelu)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -33,12 +33,16 @@ _PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 # scores its drafts with the plain decode's numerics.
 INT4_MAX_ROWS = 4
 INT4_KERNEL_MAX_ROWS = 16
+# Ours, where the layer also holds the bf16 kernel's copy: past this the bf16 kernel is
+# faster (SmolLM2's stack, 2 threads, 2026-11-27: int4 7.5 / 10.9 / 13.3 ms at 8 / 12 / 16
+# rows, bf16 8.0 / 9.9 / 11.0).
+INT4_BESIDE_BF16_MAX_ROWS = 8
 # Largest batch served by the bf16 small-batch kernel (csrc/bf16_gemm.cpp). One pass over
-# the weight holds 8 rows; more rows take more passes, the weight tile re-read from cache.
-# SmolLM2's 30 layers, 2 threads (benchmarks/bf16_gemm.py, 2026-11-27): 10.6 vs oneDNN's
-# 14.9 ms at 12 rows, 13.5 / 17.3 at 16, 23.5 / 26.5 at 32, 39.4 / 41.5 at 64; the LM head
-# (49152 x 576) 5.9 / 7.7 ms at 32 but 10.7 / 10.2 at 64 (and behind in two more runs at 48
-# to 128 rows). At 96-128 rows the layers tie: oneDNN from there.
+# the weight holds 8 rows; more rows take more passes, the weight tile re-read from cache
+# while the next tile is fetched. SmolLM2's 30 layers, 2 threads (benchmarks/bf16_gemm.py,
+# 2026-11-27, after that fetch): 9.9 vs oneDNN's 14.9 ms at 12 rows, 11.0 / 17.3 at 16,
+# 19.1 / 24.6 at 32, 36.7 / 41.1 at 64; the LM head (49152 x 576) 4.8 / 5.3 ms at 32 but
+# 9.5 / 9.4 at 64. At 96-512 rows the layers are within 5% of oneDNN: oneDNN from there.
 BF16_KERNEL_MAX_ROWS = 64
 BF16_HEAD_MAX_ROWS = 32
 # Largest batch served from a Q8_0 LM head's codes (csrc/q8_gemm.cpp). SmolLM2's head
@@ -47,11 +51,17 @@ BF16_HEAD_MAX_ROWS = 32
 Q8_KERNEL_MAX_ROWS = 8
 
 
-def int4_max_rows(decode_query: int, kernel: bool = False) -> int:
+def int4_max_rows(decode_query: int, kernel: bool = False, beside_bf16: bool = False) -> int:
     """Rows served from int4 codes when a decode step carries up to ``decode_query`` tokens
-    per sequence: the plain crossover (of our kernel or aten's), or one sequence's verify
-    step if that is larger."""
-    return max(INT4_KERNEL_MAX_ROWS if kernel else INT4_MAX_ROWS, decode_query)
+    per sequence: the plain crossover (of our kernel or aten's; ``beside_bf16``: against
+    the bf16 kernel's copy rather than oneDNN), or one sequence's verify step if that is
+    larger. With speculation (``decode_query`` > 1) our kernel keeps 16 rows even beside
+    the bf16 copy: a small batch's verify steps (3 sequences x 4 tokens) then run the
+    codes, as its plain decode steps do, so speculative greedy text stays plain greedy text."""
+    if not kernel:
+        return max(INT4_MAX_ROWS, decode_query)
+    plain = beside_bf16 and decode_query == 1
+    return max(INT4_BESIDE_BF16_MAX_ROWS if plain else INT4_KERNEL_MAX_ROWS, decode_query)
 
 
 def bf16_max_rows(decode_query: int, head: bool = False) -> int:
@@ -120,14 +130,15 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_layers(model: nn.Module, small_rows: int = 0,
-                       skip_small: Collection[str] = (), head_rows: int | None = None) -> int:
+                       head_rows: int | None = None) -> int:
     """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear`, in place.
 
-    ``small_rows`` > 0 (bfloat16 weights, the fused kernels loaded): each layer not named in
-    ``skip_small`` (those get int4 codes for small batches) also keeps a copy for the bf16
-    small-batch kernel, run for batches of up to ``small_rows`` rows: faster than oneDNN
-    there, and a row's result does not depend on the batch (exact speculative verify);
-    the LM head up to ``head_rows`` (default: ``small_rows``).
+    ``small_rows`` > 0 (bfloat16 weights, the fused kernels loaded): each layer also keeps a
+    copy for the bf16 small-batch kernel, run for batches of up to ``small_rows`` rows:
+    faster than oneDNN there, and a row's result does not depend on the batch (exact
+    speculative verify); the LM head up to ``head_rows`` (default: ``small_rows``). Layers
+    that get a checkpoint's 4-bit codes later keep it too: the codes serve the fewest rows,
+    this copy the batches between them and oneDNN.
     Returns how many were packed; 0 (model untouched) where this torch build or CPU cannot.
     Tied weights stay intact: the embedding keeps the dense tensor, the head gets a packed
     copy.
@@ -145,7 +156,7 @@ def pack_linear_layers(model: nn.Module, small_rows: int = 0,
         parent = model.get_submodule(parent_name) if parent_name else model
         rows = min(small_rows, head_rows) if attr == "lm_head" and head_rows is not None \
             else small_rows
-        packed = PackedLinear(linear, small_rows=0 if name in skip_small else rows)
+        packed = PackedLinear(linear, small_rows=rows)
         if packed.small is not None:
             small_bytes += packed.small.weight.numel() * 2
         setattr(parent, attr, packed)

@@ -138,13 +138,12 @@ def test_packed_linear_runs_the_kernel_up_to_its_rows_then_onednn() -> None:
     assert torch.equal(layer(x), onednn) and not torch.equal(onednn[:, :3], layer(few))
 
 
-def test_pack_linear_layers_skips_int4_layers_and_other_dtypes() -> None:
+def test_pack_linear_layers_copies_bf16_layers_only() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 32)).bfloat16()
     if not packing_supported(torch.bfloat16):
         pytest.skip("no oneDNN bf16 here")
-    assert pack_linear_layers(model, small_rows=8, skip_small={"1"}) == 2
-    assert model[0].small is not None and model[0].small_rows == 8
-    assert model[1].small is None  # served from its int4 codes at small batches
+    assert pack_linear_layers(model, small_rows=8) == 2
+    assert all(m.small is not None and m.small_rows == 8 for m in model)
     fp32 = torch.nn.Sequential(torch.nn.Linear(32, 48))
     assert pack_linear_layers(fp32, small_rows=8) == 1
     assert fp32[0].small is None

@@ -89,20 +89,21 @@ def test_gguf_with_an_fp8_kv_cache(smollm2_gguf) -> None:
     assert calls > 0
 
 
-def test_batches_past_the_small_kernels_rows_run_onednn_inside(smollm2_gguf) -> None:
-    """18 sequences: more rows than the int4 kernel serves, so the first steps' projections
-    take oneDNN's packed weights inside the stack, the later ones (sequences finished) the
-    int4 codes."""
+def test_batches_take_int4_then_bf16_then_onednn_inside(smollm2_gguf) -> None:
+    """70 sequences finishing four at a time: the first steps' projections take oneDNN's
+    packed weights inside the stack (more rows than the bf16 copy serves), the middle ones
+    the bf16 copy, the last ones (8 rows or fewer) the int4 codes."""
     folder, name = smollm2_gguf
-    llm = LLM(f"{folder}/{name}", max_num_seqs=18, max_model_len=256)
-    prompts = [f"Count to {i}." for i in range(18)]
-    params = [SamplingParams(temperature=0, max_tokens=4 + i, logprobs=2, ignore_eos=True)
-              for i in range(18)]
+    llm = LLM(f"{folder}/{name}", max_num_seqs=70, max_model_len=256)
+    prompts = [f"Count to {i}." for i in range(70)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + i // 4, logprobs=2,
+                             ignore_eos=True) for i in range(70)]
     stack = llm.engine.runner.model.decode_stack
-    assert isinstance(stack, FusedDecodeStack) and stack.small_rows == 16
+    assert isinstance(stack, FusedDecodeStack) and stack.small_rows == 64
+    assert set(stack.params[2::4]) == {8} and set(stack.params[3::4]) == {64}  # int4, bf16
     with_stack, with_loop, calls = both_ways(llm, prompts, params)
     assert_same(with_stack, with_loop)
-    assert calls == 4 + 17 - 1  # every decode step
+    assert calls == 3 + 69 // 4 - 1  # every decode step
 
 
 @pytest.mark.parametrize("kind", [

@@ -75,35 +75,34 @@ const Ops& ops() {
 
 constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
 
-// One projection, as SmallBatchInt4Linear / PackedLinear choose: up to its small-batch rows,
-// int4 codes (then the bias, added as `out + bias` is) or the bf16 kernel's copy (its fp32
-// bias inside); past them oneDNN's packed weight (its epilogue adds the bias).
+// One projection, as SmallBatchInt4Linear / PackedLinear choose: up to its int4 rows, int4
+// codes (then the bias, added as `out + bias` is); up to its bf16 rows, the bf16 kernel's
+// copy (its fp32 bias inside); past them oneDNN's packed weight (its epilogue adds the bias).
 struct Projections {
   const c10::List<OptTensor>& int4;
+  const c10::List<OptTensor>& int4_biases;
   const c10::List<OptTensor>& bf16;
-  const c10::List<OptTensor>& small_biases;
+  const c10::List<OptTensor>& bf16_biases;
   at::TensorList dense;
   const c10::List<OptTensor>& dense_biases;
-  at::IntArrayRef params;  // per projection: output features, int4 group, small-batch rows
+  at::IntArrayRef params;  // per projection: output features, int4 group, int4 rows, bf16 rows
 
   at::Tensor operator()(const at::Tensor& x, int64_t p) const {
-    const int64_t out_features = params[3 * p];
-    if (x.size(0) > params[3 * p + 2]) {
-      TORCH_CHECK(static_cast<int64_t>(dense.size()) > p,
-                  "decode_layers: a batch past the small-batch rows needs the dense weights");
-      return ops().dense_linear.call(x, dense[p], dense_biases.get(p), "none",
-                                     c10::List<std::optional<at::Scalar>>(), "");
-    }
-    const OptTensor codes = int4.get(p);
-    const OptTensor bias = small_biases.get(p);
-    if (codes.has_value()) {
-      at::Tensor out = ops().int4_linear.call(x, *codes, params[3 * p + 1], out_features,
+    const int64_t out_features = params[4 * p];
+    const int64_t rows = x.size(0);
+    if (const OptTensor codes = int4.get(p); codes.has_value() && rows <= params[4 * p + 2]) {
+      at::Tensor out = ops().int4_linear.call(x, *codes, params[4 * p + 1], out_features,
                                               std::nullopt);
+      const OptTensor bias = int4_biases.get(p);
       return bias.has_value() ? at::add(out, *bias) : out;
     }
-    const OptTensor weight = bf16.get(p);
-    TORCH_CHECK(weight.has_value(), "projection ", p, " has no small-batch weight");
-    return ops().bf16_linear.call(x, *weight, bias, out_features, std::nullopt);
+    if (const OptTensor weight = bf16.get(p); weight.has_value() && rows <= params[4 * p + 3]) {
+      return ops().bf16_linear.call(x, *weight, bf16_biases.get(p), out_features, std::nullopt);
+    }
+    TORCH_CHECK(static_cast<int64_t>(dense.size()) > p,
+                "decode_layers: a batch past the small-batch rows needs the dense weights");
+    return ops().dense_linear.call(x, dense[p], dense_biases.get(p), "none",
+                                   c10::List<std::optional<at::Scalar>>(), "");
   }
 };
 
@@ -118,15 +117,17 @@ enum Norm { kInput, kPostAttention, kPreFeedforward, kPostFeedforward, kQ, kK };
 // (each [rows, rotary_dim]); per layer i: k_caches[i], v_caches[i], norms[6i .. 6i + 5]
 // (see Norm), layer_params[2i] its window (0: none) and [2i + 1] whether it takes the local
 // table, and the projections 4i .. 4i + 3 (qkv, o, gate_up, down), each with its small-batch
-// weight (int4 codes or a bf16 copy, see Projections) and, where a batch can
-// exceed that, its oneDNN weight (dense: empty when no projection needs it). Returns the
+// weights (int4 codes, a bf16 copy or both, see Projections) and, where a batch can
+// exceed them, its oneDNN weight (dense: empty when no projection needs it). Returns the
 // last layer's MLP output (after its post-feedforward norm, if any), x's shape.
 at::Tensor decode_layers(const at::Tensor& x, at::Tensor& residual, at::TensorList rope,
                          at::TensorList k_caches, at::TensorList v_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const c10::List<OptTensor>& norms,
-                         const c10::List<OptTensor>& int4, const c10::List<OptTensor>& bf16,
-                         const c10::List<OptTensor>& biases, at::TensorList dense,
+                         const c10::List<OptTensor>& int4,
+                         const c10::List<OptTensor>& int4_biases,
+                         const c10::List<OptTensor>& bf16,
+                         const c10::List<OptTensor>& bf16_biases, at::TensorList dense,
                          const c10::List<OptTensor>& dense_biases, at::IntArrayRef params,
                          at::IntArrayRef layer_params, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, double eps, double scale, double softcap,
@@ -137,11 +138,12 @@ at::Tensor decode_layers(const at::Tensor& x, at::Tensor& residual, at::TensorLi
                   static_cast<int64_t>(norms.size()) == kNorms * layers &&
                   static_cast<int64_t>(layer_params.size()) == 2 * layers &&
                   static_cast<int64_t>(int4.size()) == projections &&
+                  static_cast<int64_t>(int4_biases.size()) == projections &&
                   static_cast<int64_t>(bf16.size()) == projections &&
-                  static_cast<int64_t>(biases.size()) == projections &&
+                  static_cast<int64_t>(bf16_biases.size()) == projections &&
                   (dense.empty() || static_cast<int64_t>(dense.size()) == projections) &&
                   dense_biases.size() == dense.size() &&
-                  static_cast<int64_t>(params.size()) == 3 * projections,
+                  static_cast<int64_t>(params.size()) == 4 * projections,
               "decode_layers: per-layer lists of inconsistent lengths");
   TORCH_CHECK(x.dim() >= 2 && x.sizes() == residual.sizes() && residual.is_contiguous(),
               "x and residual must be [rows, ..., hidden], residual contiguous");
@@ -149,7 +151,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::Tensor& residual, at::TensorLi
   const int64_t rows = x.numel() / hidden;
   const int64_t q_size = num_heads * head_dim;
   const int64_t kv_size = num_kv_heads * head_dim;
-  const Projections project{int4, bf16, biases, dense, dense_biases, params};
+  const Projections project{int4, int4_biases, bf16, bf16_biases, dense, dense_biases, params};
   at::Tensor stream = residual.view({rows, hidden});  // in place, as the caller's tensor
   at::Tensor h = x.reshape({rows, hidden}).contiguous();
   const Ops& k = ops();
@@ -201,7 +203,8 @@ TORCH_LIBRARY_FRAGMENT(hpu_serve, m) {
   m.def(
       "decode_layers(Tensor x, Tensor(a!) residual, Tensor[] rope, Tensor(b!)[] k_caches, "
       "Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor?[] norms, Tensor?[] int4, Tensor?[] bf16, Tensor?[] biases, Tensor[] dense, "
+      "Tensor?[] norms, Tensor?[] int4, Tensor?[] int4_biases, Tensor?[] bf16, "
+      "Tensor?[] bf16_biases, Tensor[] dense, "
       "Tensor?[] dense_biases, int[] params, int[] layer_params, int num_heads, "
       "int num_kv_heads, int head_dim, float eps, float scale, float softcap, bool gelu) "
       "-> Tensor");
