@@ -99,6 +99,35 @@ def test_reload_other_weights_matches_transformers(tiny_model_factory) -> None:
     assert tokens(llm) == before
 
 
+def test_reload_reaches_the_cpu_kernels_packed_copies(tiny_model_factory) -> None:
+    """bf16 on the fused CPU kernels: decode steps run the bf16 kernel's own copy of each
+    weight (a dataclass beside oneDNN's packing). A reload must refill those copies too, or
+    decode keeps the old weights while prefill has the new ones."""
+    from server.hpu.cpu.linear import PackedLinear
+
+    first, second = tiny_model_factory(), tiny_model_factory(seed=1)
+    common = {**COMMON, "dtype": "bfloat16"}
+    llm = LLM(first[0], enable_sleep_mode=True, enforce_eager=True, **common)
+    packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    if not any(m.small is not None for m in packed):
+        pytest.skip("no bf16 kernel copies here (the fused CPU kernels did not build)")
+    llm.engine.sleep(SleepLevel.DISCARD)
+    llm.engine.reload_weights(second[0])
+    llm.engine.wake_up()
+    fresh = LLM(second[0], enforce_eager=True, **common)
+    assert tokens(llm) == tokens(fresh)
+
+
+def test_slots_include_the_tensors_of_packed_copies() -> None:
+    from server.engine.worker.sleep import tensor_slots
+    from server.hpu.cpu.bf16_pack import pack_bf16
+
+    layer = torch.nn.Linear(32, 16, dtype=torch.bfloat16)
+    layer.small = pack_bf16(layer.weight, layer.bias)  # as PackedLinear holds it
+    names = {s.name for s in tensor_slots(layer)}
+    assert {"weight", "bias", "small.weight", "small.bias"} <= names
+
+
 def test_reload_refuses_another_architecture(eager, tiny_model_factory) -> None:
     other = tiny_model_factory(num_kv_heads=4)
     before = tokens(eager)

@@ -58,7 +58,7 @@ class TensorSlot:
     """One tensor of the model, where the module holds it."""
 
     name: str
-    owner: nn.Module
+    owner: object  # a module, or a packed copy (dataclass) of one
     attr: str
     tensor: torch.Tensor
     # a tensor without a storage (oneDNN's packed layout)
@@ -75,19 +75,33 @@ class TensorSlot:
 
 
 def tensor_slots(model: nn.Module) -> list[TensorSlot]:
-    """Every tensor the model holds: parameters, buffers and plain tensor attributes (packed
-    weights, int4 codes), each object once (tied weights are one), in module order."""
+    """Every tensor the model holds: parameters, buffers, plain tensor attributes (packed
+    weights, int4 codes) and the tensors of packed copies held as dataclasses (the CPU
+    kernels' bf16 / int4 / Q8_0 layouts), each object once (tied weights are one), in module
+    order. A copy left out would keep serving the old weights after a reload."""
     slots: list[TensorSlot] = []
     seen: set[int] = set()
+
+    def add(name: str, owner: object, attr: str, tensor: torch.Tensor | None) -> None:
+        if tensor is None or id(tensor) in seen:
+            return
+        seen.add(id(tensor))
+        slots.append(TensorSlot(name, owner, attr, tensor,
+                                opaque=tensor.layout != torch.strided))
+
     for prefix, module in model.named_modules():
         held = [*module._parameters.items(), *module._buffers.items(),
                 *((k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor))]
         for attr, tensor in held:
-            if tensor is None or id(tensor) in seen:
+            add(f"{prefix}.{attr}" if prefix else attr, module, attr, tensor)
+        for attr, pack in vars(module).items():
+            if not dataclasses.is_dataclass(pack) or isinstance(pack, type):
                 continue
-            seen.add(id(tensor))
-            slots.append(TensorSlot(f"{prefix}.{attr}" if prefix else attr, module, attr,
-                                    tensor, opaque=tensor.layout != torch.strided))
+            for field in dataclasses.fields(pack):
+                value = getattr(pack, field.name)
+                if isinstance(value, torch.Tensor):
+                    name = f"{prefix}.{attr}.{field.name}" if prefix else f"{attr}.{field.name}"
+                    add(name, pack, field.name, value)
     return slots
 
 

@@ -192,7 +192,9 @@ class HugePageArena:
         """A contiguous copy of ``t`` in the arena."""
         nbytes = t.numel() * t.element_size()
         with self._lock:
-            if self._chunk is None or self._used + nbytes > self._end:
+            # a chunk sleep mode emptied (level 2) is no place for a reload's copies
+            emptied = self._chunk is not None and self._chunk.untyped_storage().nbytes() == 0
+            if self._chunk is None or emptied or self._used + nbytes > self._end:
                 size = -(-max(self._chunk_bytes, nbytes) // HUGE_PAGE) * HUGE_PAGE
                 self._chunk = empty_on_huge_pages((size + HUGE_PAGE,), torch.uint8)
                 # whole 2 MiB pages only: the bytes around them keep 4 KiB ones
