@@ -96,6 +96,11 @@ def classify(name: str, shapes: list[list[int]], projections: dict[tuple[int, in
         weight = shapes[1] if len(shapes) > 1 else []
         if name == "aten::_weight_int4pack_mm":
             return "linear (int4)"
+        if name == "hpu_serve::bf16_linear" and len(weight) == 4:
+            # the bf16 kernel's layout [N / 16, K / 2, 16, 2]: (N, K) up to its padding
+            padded = {(-(-n // 16) * 16, -(-k // 2) * 2): v for (n, k), v in projections.items()}
+            weight = [weight[0] * 16, weight[1] * 2]
+            return padded.get(tuple(weight), f"linear {weight}")  # type: ignore[arg-type]
         return projections.get(tuple(weight), f"linear {weight}")  # type: ignore[arg-type]
     if "attention" in name:
         return "attention"
