@@ -90,18 +90,18 @@ def tensor_slots(model: nn.Module) -> list[TensorSlot]:
                                 opaque=tensor.layout != torch.strided))
 
     for prefix, module in model.named_modules():
+        base = f"{prefix}." if prefix else ""
         held = [*module._parameters.items(), *module._buffers.items(),
                 *((k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor))]
         for attr, tensor in held:
-            add(f"{prefix}.{attr}" if prefix else attr, module, attr, tensor)
+            add(base + attr, module, attr, tensor)
         for attr, pack in vars(module).items():
             if not dataclasses.is_dataclass(pack) or isinstance(pack, type):
                 continue
             for field in dataclasses.fields(pack):
                 value = getattr(pack, field.name)
                 if isinstance(value, torch.Tensor):
-                    name = f"{prefix}.{attr}.{field.name}" if prefix else f"{attr}.{field.name}"
-                    add(name, pack, field.name, value)
+                    add(f"{base}{attr}.{field.name}", pack, field.name, value)
     return slots
 
 

@@ -60,10 +60,11 @@ class Projection:
             return None
         assert isinstance(linear, PackedLinear)
         small = linear.small
-        return cls(int4, int4_bias, int4_rows, None if small is None else small.weight,
-                   None if small is None else small.bias,
-                   0 if small is None else linear.small_rows, linear.out_features,
-                   group_size, linear)
+        if small is None:
+            return cls(int4, int4_bias, int4_rows, None, None, 0, linear.out_features,
+                       group_size, linear)
+        return cls(int4, int4_bias, int4_rows, small.weight, small.bias, linear.small_rows,
+                   linear.out_features, group_size, linear)
 
     @staticmethod
     def _plain(linear: nn.Module) -> bool:
