@@ -11,9 +11,8 @@
 //
 // Numerics: per output column, fp32 accumulation of exact bf16 products (vdpbf16ps adds a
 // pair's two products, the odd input first, then the accumulator), over input pairs in
-// ascending order in two chains (even and odd pairs), the chains added at the end, then the
-// bias in fp32, then one rounding to the output dtype. The portable path does the same
-// arithmetic with fmas.
+// ascending order in one chain, then the bias in fp32, then one rounding to the output
+// dtype. The portable path does the same arithmetic with fmas.
 //
 // Packed layout (server/hpu/cpu/bf16_pack.py prepacks it once at load time): output columns
 // in tiles of 16 (N padded to a multiple of 16 with zeros), inputs in pairs (K padded to
@@ -32,15 +31,15 @@
 namespace hpu_serve {
 namespace {
 
-constexpr int64_t kTile = 16;   // output columns per vector
-constexpr int64_t kMaxRows = 8;  // rows per pass over the weight (register budget)
+constexpr int64_t kTile = 16;    // output columns per vector
+constexpr int64_t kMaxRows = 16;  // rows per pass over the weight: one accumulator a row
 constexpr int64_t kPrefetch = 16;  // input pairs (64-byte vectors) ahead
 
 struct Problem {
-  const uint32_t* x;      // [rows, half]: bf16 input pairs
+  const uint32_t* x;      // [passes, half, per]: bf16 input pairs, a pass's rows adjacent
   const uint16_t* w;      // [tiles, half, 16, 2]
   const float* bias;      // [n] or null
-  int64_t half, n, x_stride;
+  int64_t half, n, per;   // per: rows per pass (the last pass may have fewer)
 };
 
 // The next tile's lines a pass fetches while it computes from cache (none: the pass streams
@@ -50,35 +49,28 @@ struct Fetch {
   int64_t lo = 0, hi = 0;  // the next tile's 64-byte lines [lo, hi), spread over the pass
 };
 
-// Rows [row0, row0 + M) against output tile t.
+// Pass `pass` (rows [pass * per, pass * per + M)) against output tile t.
 template <int M, typename O>
-void tile_rows(const Problem& p, int64_t row0, int64_t t, O* out, const Fetch& f) {
-  f32x16 even[M], odd[M];
-  for (int m = 0; m < M; ++m) even[m] = odd[m] = f32x16{};
+void tile_rows(const Problem& p, int64_t pass, int64_t t, O* out, const Fetch& f) {
+  f32x16 acc[M];
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) acc[m] = f32x16{};
   const uint16_t* w = p.w + t * p.half * 2 * kTile;
-  const uint32_t* x = p.x + row0 * p.x_stride;
-  int64_t i = 0;
+  const uint32_t* x = p.x + pass * p.half * p.per;
   int64_t q = f.lo;
-  for (; i + 1 < p.half; i += 2) {
+  for (int64_t i = 0; i < p.half; ++i) {
     if (f.next == nullptr) {
       // the tile's stream, 1 KiB ahead: without it a pass of 6 or more rows fell from ~20
       // to ~15 GB/s (measured on SmolLM2's linear stack, 2 threads)
       __builtin_prefetch(w + (i + kPrefetch) * 2 * kTile);
-      __builtin_prefetch(w + (i + kPrefetch + 1) * 2 * kTile);
     } else {
-      const int64_t until = f.lo + ((i + 2) * (f.hi - f.lo)) / p.half;
+      const int64_t until = f.lo + ((i + 1) * (f.hi - f.lo)) / p.half;
       for (; q < until; ++q) __builtin_prefetch(f.next + q * 2 * kTile, 0, 2);
     }
-    const u16x32 w0 = load_u16x32(w + i * 2 * kTile);
-    const u16x32 w1 = load_u16x32(w + (i + 1) * 2 * kTile);
-    for (int m = 0; m < M; ++m) {
-      even[m] = dot_pair(even[m], w0, x[m * p.x_stride + i]);
-      odd[m] = dot_pair(odd[m], w1, x[m * p.x_stride + i + 1]);
-    }
-  }
-  if (i < p.half) {
-    const u16x32 w0 = load_u16x32(w + i * 2 * kTile);
-    for (int m = 0; m < M; ++m) even[m] = dot_pair(even[m], w0, x[m * p.x_stride + i]);
+    const u16x32 wi = load_u16x32(w + i * 2 * kTile);
+    const uint32_t* xi = x + i * p.per;
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) acc[m] = dot_pair(acc[m], wi, xi[m]);
   }
   const int64_t col = t * kTile;
   f32x16 bias{};
@@ -86,32 +78,42 @@ void tile_rows(const Problem& p, int64_t row0, int64_t t, O* out, const Fetch& f
     for (int64_t l = 0; l < kTile && col + l < p.n; ++l) bias[l] = p.bias[col + l];
   }
   for (int m = 0; m < M; ++m) {
-    const f32x16 acc = (even[m] + odd[m]) + bias;
-    O* row = out + (row0 + m) * p.n;
+    const f32x16 sum = acc[m] + bias;
+    O* row = out + (pass * p.per + m) * p.n;
     if (col + kTile <= p.n) {
-      store16(row + col, acc);  // at K = 576 the scalar stores were ~8% of a pass
+      store16(row + col, sum);  // at K = 576 the scalar stores were ~8% of a pass
     } else {
-      for (int64_t l = 0; col + l < p.n; ++l) store(row, col + l, acc[l]);
+      for (int64_t l = 0; col + l < p.n; ++l) store(row, col + l, sum[l]);
     }
   }
 }
 
-// Tile t for every row, one pass per kMaxRows rows. Past the first pass the tile comes from
+// Tile t for every row, one pass per p.per rows. Past the first pass the tile comes from
 // cache (K x 64 bytes), so those passes fetch the tile after it, a share each: its first
-// pass then streams from cache instead of waiting on memory (SmolLM2's linear stack, 2
-// threads: 16 rows 12.8 -> 10.6 ms, 32 rows 21.4 -> 19.1 ms, 64 rows 38.9 -> 36.8 ms).
+// pass then streams from cache instead of waiting on memory.
 template <typename O>
 void tile_all_rows(const Problem& p, int64_t rows, int64_t t, int64_t end, O* out) {
-  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
-  for (int64_t r = 0, pass = 0; r < rows; r += kMaxRows, ++pass) {
+  const int64_t passes = (rows + p.per - 1) / p.per;
+  for (int64_t pass = 0; pass < passes; ++pass) {
     Fetch f;
     if (pass > 0 && t + 1 < end) {
       f = {p.w + (t + 1) * p.half * 2 * kTile, (pass - 1) * p.half / (passes - 1),
            pass * p.half / (passes - 1)};
     }
-    dispatch_rows(std::min(kMaxRows, rows - r),
-                  [&](auto m) { tile_rows<decltype(m)::value>(p, r, t, out, f); });
+    dispatch_rows<kMaxRows>(std::min(p.per, rows - pass * p.per),
+                             [&](auto m) { tile_rows<decltype(m)::value>(p, pass, t, out, f); });
   }
+}
+
+// Rows per pass for a call of `rows` rows (a row's bits do not depend on it). A pass that
+// streams its tile from memory computes at ~2/3 of the cache passes' rate; 13-16 rows go in
+// two passes of 8, the second from cache while it fetches the next tile (SmolLM2's stack,
+// 2 threads, 16 rows: 11.5 ms in one pass, 9.9 in two).
+inline int64_t rows_per_pass(int64_t rows) {
+  if (rows <= 12) return rows;
+  if (rows <= 16) return (rows + 1) / 2;
+  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+  return (rows + passes - 1) / passes;
 }
 
 // out_dtype float32 returns the fp32 accumulators unrounded (tests and logits).
@@ -145,10 +147,24 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   if (k % 2 != 0) xs = at::constant_pad_nd(xs, {0, 1}, 0);
   xs = xs.contiguous();
   const int64_t rows = xs.size(0);
-  const Problem p{reinterpret_cast<const uint32_t*>(xs.data_ptr<BFloat16>()),
+  // each pass's rows side by side per input pair, so a pass reads its rows' pairs at fixed
+  // offsets from one pointer (strided row pointers spilled the accumulators past 8 rows)
+  const int64_t per = rows_per_pass(rows);
+  const int64_t passes = (rows + per - 1) / per;
+  at::Tensor xt = at::empty({passes * half * per}, xs.options().dtype(at::kInt));
+  {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(xs.data_ptr<BFloat16>());
+    uint32_t* dst = reinterpret_cast<uint32_t*>(xt.data_ptr<int32_t>());
+    for (int64_t r = 0; r < rows; ++r) {
+      uint32_t* d = dst + (r / per) * half * per + r % per;
+      const uint32_t* s = src + r * half;
+      for (int64_t i = 0; i < half; ++i) d[i * per] = s[i];
+    }
+  }
+  const Problem p{reinterpret_cast<const uint32_t*>(xt.data_ptr<int32_t>()),
                   reinterpret_cast<const uint16_t*>(weight.data_ptr<BFloat16>()),
                   bias.has_value() ? bias->data_ptr<float>() : nullptr, half, out_features,
-                  half};
+                  per};
   const auto run = [&](auto* op) {
     at::parallel_for(0, weight.size(0), 4, [&](int64_t begin, int64_t end) {
       // past 8 rows, a tile's later passes read its weights from cache (a tile is K x 64

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace hpu_serve {
@@ -189,18 +190,15 @@ inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 inline f32x16 splat(float v) { return f32x16{} + v; }
 
 // The small-batch GEMMs' row count as a compile-time constant: f(std::integral_constant<int,
-// M>{}) for M = rows, 1 to 8 (8 past it: a pass holds at most 8 rows' accumulators).
-template <typename F>
+// M>{}) for M = rows, 1 to Max (Max past it: a pass holds at most Max rows' accumulators).
+template <int Max = 8, typename F>
 inline void dispatch_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
+  if constexpr (Max == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (rows >= Max) {
+    f(std::integral_constant<int, Max>{});
+  } else {
+    dispatch_rows<Max - 1>(rows, std::forward<F>(f));
   }
 }
 
