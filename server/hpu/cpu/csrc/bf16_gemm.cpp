@@ -171,8 +171,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                   per};
   const auto run = [&](auto* op) {
     at::parallel_for(0, weight.size(0), 4, [&](int64_t begin, int64_t end) {
-      // past 8 rows, a tile's later passes read its weights from cache (a tile is K x 64
-      // bytes), not from memory again
+      // past one pass (13 rows and more), a tile's later passes read its weights from cache
+      // (a tile is K x 64 bytes), not from memory again
       for (int64_t t = begin; t < end; ++t) tile_all_rows(p, rows, t, end, op);
     });
   };
