@@ -39,7 +39,8 @@ struct Problem {
   const uint32_t* x;      // [passes, half, per]: bf16 input pairs, a pass's rows adjacent
   const uint16_t* w;      // [tiles, half, 16, 2]
   const float* bias;      // [n] or null
-  int64_t half, n, per;   // per: rows per pass (the last pass may have fewer)
+  int64_t half, n;
+  int64_t rows, per, passes;  // per: rows per pass (the last pass may have fewer)
 };
 
 // The next tile's lines a pass fetches while it computes from cache (none: the pass streams
@@ -96,15 +97,14 @@ void tile_rows(const Problem& p, int64_t pass, int64_t t, O* out, const Fetch& f
 // cache (K x 64 bytes), so those passes fetch the tile after it, a share each: its first
 // pass then streams from cache instead of waiting on memory.
 template <typename O>
-void tile_all_rows(const Problem& p, int64_t rows, int64_t t, int64_t end, O* out) {
-  const int64_t passes = (rows + p.per - 1) / p.per;
-  for (int64_t pass = 0; pass < passes; ++pass) {
+void tile_all_rows(const Problem& p, int64_t t, int64_t end, O* out) {
+  for (int64_t pass = 0; pass < p.passes; ++pass) {
     Fetch f;
     if (pass > 0 && t + 1 < end) {
-      f = {p.w + (t + 1) * p.half * 2 * kTile, (pass - 1) * p.half / (passes - 1),
-           pass * p.half / (passes - 1)};
+      f = {p.w + (t + 1) * p.half * 2 * kTile, (pass - 1) * p.half / (p.passes - 1),
+           pass * p.half / (p.passes - 1)};
     }
-    dispatch_rows<kMaxRows>(std::min(p.per, rows - pass * p.per),
+    dispatch_rows<kMaxRows>(std::min(p.per, p.rows - pass * p.per),
                              [&](auto m) { tile_rows<decltype(m)::value>(p, pass, t, out, f); });
   }
 }
@@ -168,12 +168,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   const Problem p{reinterpret_cast<const uint32_t*>(xt.data_ptr<int32_t>()),
                   reinterpret_cast<const uint16_t*>(weight.data_ptr<BFloat16>()),
                   bias.has_value() ? bias->data_ptr<float>() : nullptr, half, out_features,
-                  per};
+                  rows, per, passes};
   const auto run = [&](auto* op) {
     at::parallel_for(0, weight.size(0), 4, [&](int64_t begin, int64_t end) {
       // past one pass (13 rows and more), a tile's later passes read its weights from cache
       // (a tile is K x 64 bytes), not from memory again
-      for (int64_t t = begin; t < end; ++t) tile_all_rows(p, rows, t, end, op);
+      for (int64_t t = begin; t < end; ++t) tile_all_rows(p, t, end, op);
     });
   };
   if (dtype == at::kFloat) {
